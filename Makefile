@@ -1,0 +1,40 @@
+# Two entry points: `make demo` and `make test`. Each builds .venv with the
+# pinned CPU stack when it is missing (or when the pins change), then runs.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.regather-installed
+
+TORCH_PIN    := torch==2.13.0
+MEGATRON_PIN := megatron-core==0.16.1
+JOBS ?= 2
+
+.PHONY: venv demo test test-unit test-distributed clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements-dev.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_PIN)
+	# megatron-core declares heavy optional deps; it runs on CPU with numpy + packaging.
+	$(PIP) install -q --no-deps $(MEGATRON_PIN)
+	$(PIP) install -q -r requirements-dev.txt
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: venv
+	$(PY) -m regather demo
+
+test: venv
+	$(PY) -m pytest -q -n $(JOBS) tests
+
+test-unit: venv
+	$(PY) -m pytest -q -n $(JOBS) tests/unit
+
+test-distributed: venv
+	$(PY) -m pytest -q -n $(JOBS) tests/distributed
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache
