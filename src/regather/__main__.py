@@ -1,0 +1,5 @@
+import sys
+
+from regather.cli import main
+
+sys.exit(main())
