@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name == module:  # the sub-command is not written yet
+            if exc.name and (module + ".").startswith(exc.name + "."):  # not written yet
                 continue
             raise
         mod.register(sub)
