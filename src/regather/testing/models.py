@@ -1,0 +1,112 @@
+"""Tiny real megatron-core GPT models for tests, the demo and the benchmark."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TinyGPT:
+    """Shape of a small GPT built from megatron-core's local spec."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 128
+    vocab_size: int = 256
+    seq_length: int = 32
+    num_query_groups: int | None = None
+
+
+def init_model_parallel(tp: int, seed: int = 1234) -> None:
+    """Initialise megatron's parallel state (TP=tp, PP=1) on an existing default group."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from regather.testing.megatron_cpu import enable_megatron_cpu
+
+    enable_megatron_cpu()
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_gpt(
+    shape: TinyGPT,
+    tp: int,
+    sequence_parallel: bool = True,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 1234,
+    gradient_accumulation_fusion: bool = False,
+    **config_overrides,
+):
+    """Build a megatron-core ``GPTModel`` (local spec) on the current ranks.
+
+    Weights are initialised on CPU from the full master weight and split
+    (``use_cpu_initialization``), so models with different TP sizes start
+    from the same parameters.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    init_model_parallel(tp, seed)
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=gradient_accumulation_fusion,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        **config_overrides,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.seq_length,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    return model
+
+
+def gpt_batch(shape: TinyGPT, micro_batch: int, seed: int = 0):
+    """A deterministic batch (tokens, labels, position ids, attention mask), same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, shape.vocab_size, (micro_batch, shape.seq_length + 1), generator=g)
+    return batch_from_tokens(tokens)
+
+
+def batch_from_tokens(tokens: torch.Tensor):
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    s = inputs.shape[1]
+    position_ids = torch.arange(s).unsqueeze(0).expand_as(inputs)
+    mask = torch.tril(torch.ones(s, s, dtype=torch.bool)).logical_not().view(1, 1, s, s)
+    return inputs, labels, position_ids, mask
+
+
+def gpt_loss(model, batch) -> torch.Tensor:
+    """Mean next-token loss (megatron's vocab-parallel cross entropy)."""
+    inputs, labels, position_ids, mask = batch
+    per_token = model(inputs, position_ids, mask, labels=labels)
+    return per_token.float().mean()
