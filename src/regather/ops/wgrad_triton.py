@@ -45,6 +45,11 @@ Interpreter note: under ``TRITON_INTERPRET=1`` bf16 arithmetic is silently
 wrong unless values are converted with ``.to(tl.float32)`` right after
 ``tl.load``; the kernel does so when ``UPCAST`` is set, which the launcher sets
 whenever the interpreter is active (and for fp32 inputs, where it is a no-op).
+The kernels call no ``@triton.jit`` helper from triton's standard library (such
+as ``tl.cdiv`` or ``tl.zeros``; ``tl.full`` and other builtins are fine): those
+are wrapped once, when ``triton.language`` is imported,
+so they would stay compiled-mode functions if triton was imported before
+``TRITON_INTERPRET=1`` was set; our own kernels are wrapped per mode (below).
 On a GPU bf16/fp16 tiles go to ``tl.dot`` unconverted (tensor cores, fp32
 accumulator); fp32 inputs use ``input_precision="ieee"`` (no TF32), matching
 PyTorch's default for fp32 matmul.
@@ -191,7 +196,7 @@ def _wgrad_splitk_kernel(
     """
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N  # not tl.cdiv: see "Interpreter note"
     pid_m = pid_mn // num_pid_n
     pid_n = pid_mn % num_pid_n
 
@@ -208,7 +213,7 @@ def _wgrad_splitk_kernel(
     a_ptrs = go_ptr + offs_m[:, None] * stride_gm + (k_start + offs_k)[None, :] * stride_gk
     b_ptrs = x_ptr + (k_start + offs_k)[:, None] * stride_xk + offs_n[None, :] * stride_xn
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for i in range(0, K_ITERS):
         mask_k = (k_start + i * BLOCK_K + offs_k) < K
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -248,7 +253,7 @@ def _splitk_reduce_kernel(
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc = tl.full((BLOCK,), 0.0, tl.float32)
     for s in range(0, SPLIT_K):
         acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
     m = offs // N
