@@ -1,3 +1,23 @@
-"""regather: memory-lean LoRA adapters for Megatron-core under tensor + sequence parallelism."""
+"""regather: memory-lean LoRA adapters for Megatron-core under tensor + sequence parallelism.
+
+- :class:`LoRA` — the PEFT config; ``LoRA(sequence_parallel_input_regather=True)(model)``
+- :class:`ParallelLinearAdapter` — one adapter beside a megatron parallel linear
+- :func:`decisions` — which strategy each adapter runs, and why
+"""
 
 __version__ = "0.1.0"
+
+from regather.adapter import Decision, ParallelLinearAdapter
+from regather.lora import LoRA, LoRALinear, adapters, decisions, set_strategy
+from regather.strategies import Strategy
+
+__all__ = [
+    "LoRA",
+    "LoRALinear",
+    "ParallelLinearAdapter",
+    "Decision",
+    "Strategy",
+    "adapters",
+    "decisions",
+    "set_strategy",
+]

@@ -29,6 +29,12 @@ def _rank_main(fn, rank, world_size, init_file, out_dir, pg_timeout_s, args, kwa
     import torch
     import torch.distributed as dist
 
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*Apex.*")
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")

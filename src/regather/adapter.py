@@ -1,0 +1,284 @@
+"""``ParallelLinearAdapter``: a LoRA adapter beside a megatron tensor-parallel linear.
+
+Layouts (design.md §2; parameter names follow Megatron Bridge checkpoints):
+
+================ ===================== ======================= ==================
+base             ``linear_in.weight``  ``linear_out.weight``   adapter output
+================ ===================== ======================= ==================
+column-parallel  ``A_i: [r/t, h]``     ``B_i: [o/t, r]``       ``[s, b, o/t]``
+row-parallel     ``A_i: [r, h/t]``     ``B_i: [o/t, r]``       ``[s/t, b, o]`` (SP)
+================ ===================== ======================= ==================
+
+Column-parallel base, data flow per rank (SP on, input ``x_local [s/t, b, h]``)::
+
+    mid_i = LoRA-A(x_local)            strategy: gather | regather   [s, b, r/t]
+    mid   = all_gather_last_dim(mid_i)                                [s, b, r]
+    out_i = scale * mid B_i^T          backward all-reduces dmid      [s, b, o/t]
+
+Row-parallel base (input ``x_i [s, b, h/t]``)::
+
+    mid   = all_reduce(x_i A_i^T)                                     [s, b, r]
+    out   = all_gather_last_dim(mid B_i^T) -> scatter over sequence   [s/t, b, o]
+
+``scale = alpha / dim``; dropout on the adapter input ("pre") or output
+("post"). Every forward evaluates :func:`regather.eligibility.unsupported_reason`;
+when the requested strategy cannot run, the gather path runs instead with
+unchanged numerics and the first reason is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from regather import accounting
+from regather.buffers import ScratchPool, default_pool
+from regather.eligibility import AdapterFacts, RunState, unsupported_reason
+from regather.strategies import Strategy
+from regather.strategies.gather import gather_linear_a
+from regather.strategies.regather import regather_linear_a
+from regather.strategies.wgrad import linear
+
+logger = logging.getLogger("regather")
+
+INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
+DROPOUT_POSITIONS = ("pre", "post")
+# Applied to the gathered rank-r activation between LoRA-A and LoRA-B.
+ACTIVATIONS = {
+    "identity": None,
+    "relu": torch.nn.functional.relu,
+    "gelu": torch.nn.functional.gelu,
+    "silu": torch.nn.functional.silu,
+    "swish": torch.nn.functional.silu,
+}
+
+# Reasons that depend on the moment (mode, autograd state), not on the model.
+_TRANSIENT_PREFIXES = ("module is in eval mode", "autograd is disabled", "running inside activation")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which strategy an adapter asked for, which one runs, and why."""
+
+    requested: Strategy
+    used: Strategy
+    reason: Optional[str]  # None when ``used == requested``
+
+    def __str__(self) -> str:
+        if self.used == self.requested:
+            return f"{self.used.value}"
+        return f"{self.used.value} (asked {self.requested.value}: {self.reason})"
+
+
+def init_weight_(weight: torch.Tensor, method: str) -> torch.Tensor:
+    """Bridge's LoRA initialisers, applied to a full (unsharded) master weight."""
+    if method == "xavier":
+        return nn.init.xavier_normal_(weight)
+    if method == "normal":
+        return nn.init.normal_(weight, mean=0.0, std=0.2)
+    if method == "kaiming":
+        return nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if method == "zero":
+        return nn.init.zeros_(weight)
+    raise ValueError(f"unknown init method {method!r}; expected one of {', '.join(INIT_METHODS)}")
+
+
+class _ShardedWeight(nn.Module):
+    """Holds one weight shard, tagged the way megatron tags tensor-parallel parameters."""
+
+    def __init__(self, master: torch.Tensor, partition_dim: int, rank: int, tp: int):
+        super().__init__()
+        shard = master.chunk(tp, dim=partition_dim)[rank].contiguous()
+        self.weight = nn.Parameter(shard)
+        self.weight.tensor_model_parallel = tp > 1
+        self.weight.partition_dim = partition_dim
+        self.weight.partition_stride = 1
+
+
+class ParallelLinearAdapter(nn.Module):
+    """LoRA ``B(A(x)) * alpha/dim`` matched to a megatron column- or row-parallel linear."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        dim: int,
+        *,
+        column_parallel: bool,
+        base_name: str,
+        config=None,
+        tp_group=None,
+        sequence_parallel: bool = False,
+        is_expert: bool = False,
+        alpha: Optional[float] = None,
+        dropout: float = 0.0,
+        dropout_position: str = "pre",
+        lora_A_init_method: str = "xavier",
+        lora_B_init_method: str = "zero",
+        activation: str = "identity",
+        a2a_experts: bool = False,
+        strategy: Strategy | str = Strategy.GATHER,
+        gradient_accumulation_fusion: Optional[bool] = None,
+        params_dtype: Optional[torch.dtype] = None,
+        device=None,
+        pool: Optional[ScratchPool] = None,
+    ):
+        super().__init__()
+        tp, rank = _group_size_rank(tp_group)
+        _validate(in_features, out_features, dim, dropout, dropout_position, column_parallel, tp,
+                  lora_A_init_method, lora_B_init_method, activation)
+        self.dim = dim
+        self.alpha = float(dim if alpha is None else alpha)
+        self.scale = self.alpha / dim
+        self.dropout_position = dropout_position
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        self.strategy = Strategy.parse(strategy)
+        self.config = config
+        self.tp_group = tp_group
+        self.column_parallel = column_parallel
+        self.sequence_parallel = bool(sequence_parallel and tp > 1)
+        if gradient_accumulation_fusion is None:
+            gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.pool = pool
+        self._activation = ACTIVATIONS[activation]
+        self.facts = AdapterFacts(
+            base_name=base_name,
+            column_parallel=column_parallel,
+            sequence_parallel=self.sequence_parallel,
+            tp_size=tp,
+            is_expert=is_expert,
+            a2a_experts=a2a_experts,
+            activation=activation,
+        )
+        if params_dtype is None:
+            params_dtype = getattr(config, "params_dtype", None) or torch.get_default_dtype()
+        # Full master weights from the default generator, then this rank's shard:
+        # every TP size starts from the same adapter.
+        a = init_weight_(torch.empty(dim, in_features, dtype=torch.float32), lora_A_init_method)
+        b = init_weight_(torch.empty(out_features, dim, dtype=torch.float32), lora_B_init_method)
+        a, b = a.to(params_dtype), b.to(params_dtype)
+        self.linear_in = _ShardedWeight(a, 0 if column_parallel else 1, rank, tp)
+        self.linear_out = _ShardedWeight(b, 0, rank, tp)
+        if device is not None:
+            self.to(device)
+        self.last_decision: Optional[Decision] = None
+        self._logged = False
+
+    # -- decisions ---------------------------------------------------------------
+    def decide(self) -> Decision:
+        """The strategy this adapter would use if called now, and why."""
+        if self.strategy == Strategy.GATHER:
+            return Decision(Strategy.GATHER, Strategy.GATHER, None)
+        state = RunState.capture(self, self.linear_in.weight)
+        reason = unsupported_reason(self.facts, self.config, state)
+        return Decision(self.strategy, Strategy.GATHER if reason else self.strategy, reason)
+
+    def _log_fallback(self, decision: Decision) -> None:
+        if self._logged or decision.reason is None:
+            return
+        self._logged = True
+        transient = decision.reason.startswith(_TRANSIENT_PREFIXES)
+        logger.log(
+            logging.INFO if transient else logging.WARNING,
+            "LoRA adapter on %s: %s requested, using the gather path: %s",
+            getattr(self, "qualified_name", self.facts.base_name),
+            decision.requested.value,
+            decision.reason,
+        )
+
+    # -- forward -----------------------------------------------------------------
+    def _check_input(self, x: torch.Tensor) -> None:
+        w = self.linear_in.weight
+        if x.dtype != w.dtype or x.device != w.device:
+            raise TypeError(
+                f"LoRA adapter on {self.facts.base_name!r}: input is {x.dtype} on {x.device}, "
+                f"but the adapter weights are {w.dtype} on {w.device}"
+            )
+        if x.dim() < 2 or x.shape[-1] != self.in_features_local:
+            raise ValueError(
+                f"LoRA adapter on {self.facts.base_name!r}: input shape {tuple(x.shape)} does not end "
+                f"in {self.in_features_local} features"
+            )
+
+    @property
+    def in_features_local(self) -> int:
+        return self.linear_in.weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        self._check_input(x)
+        decision = self.decide()
+        self.last_decision = decision
+        self._log_fallback(decision)
+        if self.dropout is not None and self.dropout_position == "pre":
+            x = self.dropout(x)
+        group, fuse = self.tp_group, self.gradient_accumulation_fusion
+        a, b = self.linear_in.weight, self.linear_out.weight
+
+        with accounting.label(accounting.ADAPTER_INPUT):  # what LoRA-A saves is counted apart
+            if self.column_parallel:
+                if self.sequence_parallel and decision.used == Strategy.REGATHER:
+                    mid = regather_linear_a(x, a, group, fuse, self.pool or default_pool())
+                elif self.sequence_parallel:
+                    mid = gather_linear_a(x, a, group, fuse)
+                else:  # replicated input: all-reduce its gradient
+                    mid = linear(mappings.copy_to_tensor_model_parallel_region(x, group=group), a, fuse)
+            else:
+                mid = linear(x, a, fuse)
+        if self.column_parallel:
+            mid = mappings.gather_from_tensor_model_parallel_region(mid, group=group)
+        else:
+            mid = mappings.reduce_from_tensor_model_parallel_region(mid, group=group)
+
+        if self._activation is not None:
+            mid = self._activation(mid)
+        out = linear(mappings.copy_to_tensor_model_parallel_region(mid, group=group), b, fuse)
+        if not self.column_parallel:
+            out = mappings.gather_from_tensor_model_parallel_region(out, group=group)
+            if self.sequence_parallel:
+                out = mappings.scatter_to_sequence_parallel_region(out, group=group)
+        if self.dropout is not None and self.dropout_position == "post":
+            out = self.dropout(out)
+        return out * self.scale
+
+    def extra_repr(self) -> str:
+        kind = "column" if self.column_parallel else "row"
+        return (f"base={self.facts.base_name}, {kind}-parallel, dim={self.dim}, alpha={self.alpha:g}, "
+                f"strategy={self.strategy.value}")
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        if group is not None:
+            raise RuntimeError("a TP group was given but torch.distributed is not initialised")
+        return 1, 0
+    return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+
+
+def _validate(in_features, out_features, dim, dropout, dropout_position, column_parallel, tp,
+              a_init, b_init, activation) -> None:
+    if not isinstance(dim, int) or dim <= 0:
+        raise ValueError(f"LoRA dim must be a positive integer, got {dim!r}")
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    if dropout_position not in DROPOUT_POSITIONS:
+        raise ValueError(f"dropout_position must be one of {DROPOUT_POSITIONS}, got {dropout_position!r}")
+    for name, method in (("lora_A_init_method", a_init), ("lora_B_init_method", b_init)):
+        if method not in INIT_METHODS:
+            raise ValueError(f"{name} must be one of {INIT_METHODS}, got {method!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"adapter activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    if column_parallel and dim % tp:
+        raise ValueError(f"LoRA dim {dim} is not divisible by the tensor-parallel size {tp} "
+                         "(LoRA-A of a column-parallel base is sharded over the rank)")
+    if not column_parallel and in_features % tp:
+        raise ValueError(f"in_features {in_features} is not divisible by the tensor-parallel size {tp}")
+    if out_features % tp:
+        raise ValueError(f"out_features {out_features} is not divisible by the tensor-parallel size {tp}")

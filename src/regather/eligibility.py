@@ -1,0 +1,111 @@
+"""When may a LoRA-A skip keeping its gathered input? (design.md §5)
+
+:func:`unsupported_reason` returns ``None`` when the sequence-local strategies
+(regather, and later lowrank) may run, otherwise the *first* rule that fails,
+as a sentence naming the offending values. The adapter evaluates it on every
+forward, so a change of mode (``eval()``, ``no_grad``, recompute) takes effect
+at once. Rules are checked in a fixed order; tests pin each message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+ELIGIBLE_BASES = ("linear_qkv", "linear_fc1")
+
+
+@dataclass(frozen=True)
+class AdapterFacts:
+    """What an adapter knows about its base layer; fixed when it is built."""
+
+    base_name: str  # the attribute name of the wrapped linear, e.g. "linear_qkv"
+    column_parallel: bool
+    sequence_parallel: bool  # the base layer communicates over the sequence
+    tp_size: int
+    is_expert: bool = False
+    a2a_experts: bool = False
+    activation: str = "identity"
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What may change between two forwards of the same adapter."""
+
+    training: bool
+    grad_enabled: bool
+    in_recompute: bool
+    lora_a_trainable: bool
+
+    @classmethod
+    def capture(cls, module: torch.nn.Module, lora_a: torch.Tensor) -> "RunState":
+        return cls(
+            training=module.training,
+            grad_enabled=torch.is_grad_enabled(),
+            in_recompute=in_activation_recompute(),
+            lora_a_trainable=lora_a.requires_grad,
+        )
+
+
+def in_activation_recompute() -> bool:
+    """True inside megatron's checkpointed forward/recompute, or inside any backward pass
+    (where torch.utils.checkpoint re-runs forward)."""
+    if torch._C._current_graph_task_id() != -1:
+        return True
+    try:
+        from megatron.core.tensor_parallel.random import is_checkpointing
+    except ImportError:  # megatron-core is optional for the unit-level API
+        return False
+    return bool(is_checkpointing())
+
+
+def _cuda_graphs_on(config: Any) -> Optional[str]:
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl != "none":
+        return f"CUDA graphs are on (cuda_graph_impl={impl!r})"
+    for flag in ("enable_cuda_graph", "external_cuda_graph"):
+        if getattr(config, flag, False):
+            return f"CUDA graphs are on ({flag}=True)"
+    return None
+
+
+def unsupported_reason(facts: AdapterFacts, config: Any, state: RunState) -> Optional[str]:
+    """The first rule that keeps this adapter on the gather path, or None."""
+    if not state.training:
+        return "module is in eval mode"
+    if not state.grad_enabled:
+        return "autograd is disabled (torch.no_grad / inference_mode)"
+    if state.in_recompute:
+        return "running inside activation-checkpoint recompute"
+    if not state.lora_a_trainable:
+        return "LoRA-A weight is frozen (requires_grad=False)"
+    if not facts.column_parallel:
+        return f"base layer {facts.base_name!r} is row-parallel (its input is split over hidden, not sequence)"
+    if not facts.sequence_parallel:
+        return f"sequence parallelism is off for {facts.base_name!r}"
+    if facts.tp_size <= 1:
+        return f"tensor-parallel size is {facts.tp_size}"
+    if facts.is_expert:
+        return f"{facts.base_name!r} is an expert (MoE) linear"
+    if facts.a2a_experts:
+        return "adapter uses all-to-all expert communication (a2a_experts=True)"
+    if facts.activation != "identity":
+        return f"adapter activation is {facts.activation!r}, not 'identity'"
+    if getattr(config, "cpu_offloading", False) and getattr(config, "cpu_offloading_activations", True):
+        return "CPU activation offloading is on (cpu_offloading=True)"
+    if getattr(config, "fine_grained_activation_offloading", False):
+        return "fine-grained activation offloading is on"
+    if facts.base_name not in ELIGIBLE_BASES:
+        return f"base layer {facts.base_name!r} is not one of {', '.join(ELIGIBLE_BASES)}"
+    graphs = _cuda_graphs_on(config)
+    if graphs:
+        return graphs
+    granularity = getattr(config, "recompute_granularity", None)
+    if granularity == "full":
+        return "full activation recompute is on (recompute_granularity='full')"
+    modules = getattr(config, "recompute_modules", None) or []
+    if granularity == "selective" and facts.base_name == "linear_fc1" and "mlp" in modules:
+        return f"selective recompute covers 'mlp' (recompute_modules={list(modules)})"
+    return None

@@ -1,0 +1,208 @@
+"""``regather.LoRA``: the PEFT entry point, with Megatron Bridge's field names.
+
+Usage::
+
+    peft = LoRA(dim=16, alpha=32, sequence_parallel_input_regather=True)
+    model = peft(model, training=True)      # a megatron-core GPTModel
+
+Every linear whose attribute name is in ``target_modules`` (or whose dotted
+path matches a wildcard entry such as ``*.layers.0.*.linear_qkv``) and matches
+nothing in ``exclude_modules`` is replaced by a :class:`LoRALinear` holding the
+frozen base (``to_wrap``) and a :class:`~regather.adapter.ParallelLinearAdapter`
+(``adapter``). All base parameters are frozen; only adapter weights train.
+The configuration and the matches are validated before the model is touched.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from regather.adapter import ACTIVATIONS, DROPOUT_POSITIONS, INIT_METHODS, Decision, ParallelLinearAdapter
+from regather.strategies import Strategy
+
+DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+class LoRALinear(nn.Module):
+    """A frozen megatron linear plus its adapter: ``(base(x) + adapter(x), bias)``."""
+
+    def __init__(self, to_wrap: nn.Module, adapter: ParallelLinearAdapter):
+        super().__init__()
+        self.to_wrap = to_wrap
+        self.adapter = adapter
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        out, bias = self.to_wrap(x, *args, **kwargs)
+        return out + self.adapter(x), bias
+
+
+@dataclass
+class LoRA:
+    """LoRA for megatron-core models (field names and defaults of Megatron Bridge)."""
+
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    exclude_modules: list[str] = field(default_factory=list)
+    dim: int = 32
+    alpha: int = 32
+    dropout: float = 0.0
+    dropout_position: str = "pre"
+    lora_A_init_method: str = "xavier"
+    lora_B_init_method: str = "zero"
+    a2a_experts: bool = False
+    activation: str = "identity"
+    sequence_parallel_input_regather: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
+            raise ValueError(f"LoRA(dim={self.dim!r}): dim must be a positive integer")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA(dropout={self.dropout!r}): dropout must be in [0, 1)")
+        if self.dropout_position not in DROPOUT_POSITIONS:
+            raise ValueError(f"LoRA(dropout_position={self.dropout_position!r}): "
+                             f"expected one of {DROPOUT_POSITIONS}")
+        for name in ("lora_A_init_method", "lora_B_init_method"):
+            if getattr(self, name) not in INIT_METHODS:
+                raise ValueError(f"LoRA({name}={getattr(self, name)!r}): expected one of {INIT_METHODS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"LoRA(activation={self.activation!r}): expected one of {tuple(ACTIVATIONS)}")
+        if isinstance(self.target_modules, str) or isinstance(self.exclude_modules, str):
+            raise TypeError("LoRA target_modules / exclude_modules must be lists of names, not a string")
+
+    @property
+    def strategy(self) -> Strategy:
+        return Strategy.REGATHER if self.sequence_parallel_input_regather else Strategy.GATHER
+
+    # -- matching ----------------------------------------------------------------
+    @staticmethod
+    def _matches(pattern: str, name: str, path: str) -> bool:
+        if any(c in pattern for c in "*?["):
+            return fnmatch.fnmatchcase(path, pattern)
+        return pattern == name or pattern == path
+
+    def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        hits: dict[str, list[str]] = {p: [] for p in self.target_modules}
+        chosen = []
+        for path, module in model.named_modules():
+            if isinstance(module, (LoRALinear, ParallelLinearAdapter)) or not path:
+                continue
+            if ".to_wrap" in path or ".adapter" in path:
+                continue
+            name = path.rsplit(".", 1)[-1]
+            targets = [p for p in self.target_modules if self._matches(p, name, path)]
+            if not targets:
+                continue
+            for p in targets:
+                hits[p].append(path)
+            if any(self._matches(p, name, path) for p in self.exclude_modules):
+                continue
+            if not _is_parallel_linear(module):
+                raise TypeError(f"LoRA target {path!r} is a {type(module).__name__}, "
+                                "not a megatron column- or row-parallel linear")
+            chosen.append((path, module))
+        missing = [p for p, paths in hits.items() if not paths]
+        if missing:
+            raise ValueError(f"LoRA target_modules {missing} match no module of {type(model).__name__}")
+        return chosen
+
+    # -- applying ----------------------------------------------------------------
+    def __call__(self, model: nn.Module, training: bool = True) -> nn.Module:
+        """Freeze ``model``, wrap every selected linear, return the model (modified in place)."""
+        selected = self._selected(model)  # raises before any change
+        adapters = [(path, self._make_adapter(path, module)) for path, module in selected]
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for (path, module), (_, adapter) in zip(selected, adapters):
+            parent_path, _, attr = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            setattr(parent, attr, LoRALinear(module, adapter))
+        _install_sequence_check(model)
+        model.train(training)
+        return model
+
+    def _make_adapter(self, path: str, base: nn.Module) -> ParallelLinearAdapter:
+        column = _is_column_parallel(base)
+        config = getattr(base, "config", None)
+        weight = base.weight
+        adapter = ParallelLinearAdapter(
+            in_features=base.input_size,
+            out_features=base.output_size,
+            dim=self.dim,
+            column_parallel=column,
+            base_name=path.rsplit(".", 1)[-1],
+            config=config,
+            tp_group=_tp_group(base),
+            sequence_parallel=bool(getattr(base, "sequence_parallel", False)),
+            is_expert=bool(getattr(base, "is_expert", False)),
+            alpha=self.alpha,
+            dropout=self.dropout,
+            dropout_position=self.dropout_position,
+            lora_A_init_method=self.lora_A_init_method,
+            lora_B_init_method=self.lora_B_init_method,
+            activation=self.activation,
+            a2a_experts=self.a2a_experts,
+            strategy=self.strategy,
+            params_dtype=weight.dtype,
+            device=weight.device,
+        )
+        adapter.qualified_name = path
+        return adapter
+
+
+def adapters(model: nn.Module) -> dict[str, ParallelLinearAdapter]:
+    """Every LoRA adapter of ``model``, by the path of the linear it wraps."""
+    return {path: m.adapter for path, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def decisions(model: nn.Module) -> dict[str, Decision]:
+    """What each adapter would do if called now (strategy used and the reason)."""
+    return {path: a.decide() for path, a in adapters(model).items()}
+
+
+def set_strategy(model: nn.Module, strategy: Strategy | str) -> None:
+    """Switch every adapter of ``model`` to ``strategy`` (numerics unchanged for regather)."""
+    strategy = Strategy.parse(strategy)
+    for a in adapters(model).values():
+        a.strategy = strategy
+        a._logged = False
+
+
+def _is_column_parallel(module: nn.Module) -> bool:
+    return "ColumnParallel" in type(module).__name__ or "LayerNormColumn" in type(module).__name__
+
+
+def _is_parallel_linear(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return ("ColumnParallel" in name or "RowParallel" in name) and hasattr(module, "weight")
+
+
+def _tp_group(base: nn.Module):
+    group = getattr(base, "tp_group", None)
+    if group is not None:
+        return group
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _install_sequence_check(model: nn.Module) -> None:
+    """Name the sizes when a sequence cannot be split over the TP ranks (SP on)."""
+    config = getattr(model, "config", None)
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if not getattr(config, "sequence_parallel", False) or tp <= 1 or getattr(model, "_regather_seq_check", None):
+        return
+
+    def check(module, args, kwargs):
+        tokens = args[0] if args else kwargs.get("input_ids")
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and tokens.shape[1] % tp:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} is not divisible by the tensor-parallel size {tp} "
+                "(sequence parallelism splits the sequence across the TP ranks)"
+            )
+
+    model._regather_seq_check = model.register_forward_pre_hook(check, with_kwargs=True)

@@ -1,0 +1,73 @@
+"""The one place a LoRA weight gradient is produced.
+
+Every strategy computes ``dW = dY^T @ X`` (``dY: [K, out]``, ``X: [K, in]``,
+``K = s*b``) through :func:`weight_grad`, so the strategies can only differ in
+*which* ``X`` they hand over, never in how the product is formed. That is what
+makes regather bit-identical to the gather path.
+
+With gradient-accumulation fusion (megatron's ``gradient_accumulation_fusion``)
+and a parameter that carries an fp32 ``main_grad``, the product is accumulated
+into ``main_grad`` by :func:`regather.ops.wgrad_accumulate_`, the parameter's
+``grad_added_to_main_grad`` flag is set when it exists (megatron DDP's
+convention), and ``None`` is returned so ``.grad`` stays None. Autograd still
+runs the parameter's grad-accumulator hooks, so DDP's grad-ready hooks fire.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def weight_grad(
+    weight: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor, fuse: bool
+) -> Optional[torch.Tensor]:
+    """``dW = grad_output^T @ inp`` over all leading dims, or accumulate it into ``main_grad``."""
+    go = grad_output.reshape(-1, grad_output.shape[-1])
+    x = inp.reshape(-1, inp.shape[-1])
+    main_grad = getattr(weight, "main_grad", None) if fuse else None
+    if main_grad is None:
+        return go.t().matmul(x)
+    from regather.ops import wgrad_accumulate_
+
+    wgrad_accumulate_(main_grad, go, x)
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+    return None
+
+
+class LinearWithWgrad(torch.autograd.Function):
+    """``Y = X W^T`` whose weight gradient goes through :func:`weight_grad`.
+
+    ============ ====================== =====================================
+    tensor       shape                  saved for backward
+    ============ ====================== =====================================
+    X            ``[..., in]``          yes (needed for dW)
+    W            ``[out, in]``          kept on ``ctx`` (see below)
+    Y            ``[..., out]``         no
+    ============ ====================== =====================================
+
+    No communication: the strategies wrap it with the collectives they need.
+
+    The weight is kept as ``ctx.weight``, not through ``save_for_backward``:
+    under ``saved_tensors_hooks`` autograd hands back a new Python object for a
+    saved parameter, which would lose its ``main_grad`` attribute.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, fuse):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.fuse = weight, fuse
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,), weight = ctx.saved_tensors, ctx.weight
+        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = weight_grad(weight, grad_out, x, ctx.fuse) if ctx.needs_input_grad[1] else None
+        return grad_in, grad_w, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, fuse: bool = False) -> torch.Tensor:
+    return LinearWithWgrad.apply(x, weight, fuse)
