@@ -57,8 +57,11 @@ ACTIVATIONS = {
     "swish": torch.nn.functional.silu,
 }
 
-# Reasons that depend on the moment (mode, autograd state), not on the model.
-_TRANSIENT_PREFIXES = ("module is in eval mode", "autograd is disabled", "running inside activation")
+# Fallbacks logged at INFO: those that depend on the moment (mode, autograd
+# state) and those the feature excludes by design (row-parallel, other bases,
+# experts). Everything else may surprise a user and is a WARNING.
+_INFO_REASONS = ("module is in eval mode", "autograd is disabled", "running inside activation",
+                 "base layer")
 
 
 @dataclass(frozen=True)
@@ -183,9 +186,9 @@ class ParallelLinearAdapter(nn.Module):
         if self._logged or decision.reason is None:
             return
         self._logged = True
-        transient = decision.reason.startswith(_TRANSIENT_PREFIXES)
+        expected = decision.reason.startswith(_INFO_REASONS) or "expert" in decision.reason
         logger.log(
-            logging.INFO if transient else logging.WARNING,
+            logging.INFO if expected else logging.WARNING,
             "LoRA adapter on %s: %s requested, using the gather path: %s",
             getattr(self, "qualified_name", self.facts.base_name),
             decision.requested.value,

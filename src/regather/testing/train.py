@@ -1,0 +1,107 @@
+"""A short LoRA fine-tune of a real megatron-core GPT, measured (shared by tests, demo, bench).
+
+:func:`train_lora` runs on every rank of an initialised gloo/NCCL default group
+and returns, per rank: the loss of each step, the LoRA gradients of the last
+step, each adapter's decision, the bytes autograd retained at the end of the
+first forward (total and the LoRA-A input part), the collective bytes of one
+step by kind, and the step times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+from regather.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
+from regather.lora import LoRA, adapters
+from regather.testing.models import TinyGPT, batch_from_tokens, build_gpt, gpt_batch, gpt_loss
+
+
+@dataclass
+class RunConfig:
+    strategy: str = "gather"
+    tp: int = 2
+    sequence_parallel: bool = True
+    shape: TinyGPT = field(default_factory=TinyGPT)
+    micro_batch: int = 2
+    steps: int = 3
+    lr: float = 1e-2
+    dtype: str = "float32"
+    lora_dim: int = 8
+    lora_alpha: int = 16
+    targets: tuple = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    lora_B_init_method: str = "zero"
+    seed: int = 1234
+    warmup: int = 1  # steps excluded from the step-time median
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def lora_for(cfg: RunConfig) -> LoRA:
+    from regather.strategies import Strategy
+
+    strategy = Strategy.parse(cfg.strategy)
+    return LoRA(
+        target_modules=list(cfg.targets),
+        dim=cfg.lora_dim,
+        alpha=cfg.lora_alpha,
+        lora_B_init_method=cfg.lora_B_init_method,
+        sequence_parallel_input_regather=strategy == Strategy.REGATHER,
+    )
+
+
+def build_lora_gpt(cfg: RunConfig):
+    model = build_gpt(cfg.shape, cfg.tp, cfg.sequence_parallel, cfg.torch_dtype, seed=cfg.seed)
+    torch.manual_seed(cfg.seed + 1)  # adapter init: same on every rank and every TP size
+    return lora_for(cfg)(model, training=True)
+
+
+def token_batches(cfg: RunConfig, tokens: Optional[torch.Tensor] = None):
+    """Step ``i``'s batch: consecutive windows of ``tokens`` (or random tokens)."""
+    s, b = cfg.shape.seq_length, cfg.micro_batch
+    for step in range(cfg.steps):
+        if tokens is None:
+            yield gpt_batch(cfg.shape, b, seed=step)
+            continue
+        starts = [((step * b + j) * s) % (len(tokens) - s - 1) for j in range(b)]
+        yield batch_from_tokens(torch.stack([tokens[i : i + s + 1] for i in starts]).long())
+
+
+def train_lora(rank: int, world_size: int, cfg: RunConfig, tokens: Optional[torch.Tensor] = None,
+               collect_grads: bool = True) -> dict:
+    model = build_lora_gpt(cfg)
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.Adam(named.values(), lr=cfg.lr)
+    out = {"loss": [], "step_time": [], "rank": rank}
+    for step, batch in enumerate(token_batches(cfg, tokens)):
+        opt.zero_grad(set_to_none=True)
+        measure = step == 0
+        t0 = time.perf_counter()
+        if measure:
+            with CollectiveBytes() as comm, SavedBytes.for_model(model) as saved:
+                loss = gpt_loss(model, batch)
+                comm_fwd = comm.snapshot()
+                loss.backward()
+            out["saved_bytes"] = saved.total
+            out["saved_adapter_input_bytes"] = saved.of(ADAPTER_INPUT)
+            out["comm_bytes"] = comm.snapshot()
+            out["comm_bytes_forward"] = comm_fwd
+        else:
+            loss = gpt_loss(model, batch)
+            loss.backward()
+        opt.step()
+        out["step_time"].append(time.perf_counter() - t0)
+        out["loss"].append(loss.item())
+        if collect_grads and step == cfg.steps - 1:
+            out["grads"] = {n: p.grad.detach().clone() for n, p in named.items()}
+    out["decisions"] = {path: str(a.last_decision) for path, a in adapters(model).items()}
+    times = out["step_time"][cfg.warmup:] or out["step_time"]
+    out["median_step_time"] = statistics.median(times)
+    out["config"] = asdict(cfg)
+    return out
