@@ -21,12 +21,13 @@ Backends, picked per device type in this order (``wgrad_backend``):
                  built only with ``REGATHER_BUILD_EXT=1`` (see ``setup.py``).
 ``"triton"``     split-K Triton kernel (``wgrad_triton.py``). CUDA, or CPU under
                  ``TRITON_INTERPRET=1`` *when explicitly requested* (slow; for tests).
-``"torch"``      ``wgrad_accumulate_torch`` below: ``addmm_`` on fp32 upcasts of
-                 K-chunks of the inputs. Always available; the default on CPU.
+``"torch"``      ``wgrad_accumulate_torch`` below. Always available; the default on CPU.
+                 CUDA: ``torch.mm(..., out_dtype=float32)`` + ``add_`` where torch has it;
+                 else (and on CPU) ``addmm_`` on fp32 upcasts of K-chunks of the inputs.
 
-None of the three makes a full-size fp32 copy of the inputs except the torch
-path, which copies one K-chunk at a time (at most ``_TORCH_CHUNK_BYTES`` of
-fp32 temporaries); fp32 inputs are used as they are.
+No backend makes a full-size fp32 copy of the inputs: the chunked torch path
+copies one K-chunk at a time (at most ``_TORCH_CHUNK_BYTES`` of fp32
+temporaries); fp32 inputs are used as they are.
 
 Selection: a ``backend=`` argument, else env ``REGATHER_WGRAD_BACKEND``
 (``auto`` | ``extension`` | ``triton`` | ``torch``), else ``auto``. A requested
@@ -240,20 +241,30 @@ def _prod(shape: tuple[int, ...]) -> int:
 # ----------------------------------------------------------------------------
 
 
+_mm_out_dtype_ok = True  # torch.mm(..., out_dtype=float32) usable on CUDA (probed on first use)
+
+
 @torch.no_grad()
 def wgrad_accumulate_torch(
     main_grad: torch.Tensor, grad_output: torch.Tensor, input: torch.Tensor, *, chunk_rows: int | None = None
 ) -> None:
     """Plain-PyTorch fallback: ``main_grad += grad_output^T @ input`` in fp32.
 
-    ``grad_output: [K, M]``, ``input: [K, N]`` (2-D, validated). fp32 inputs:
-    one ``addmm_``, no copy. bf16/fp16 inputs: PyTorch has no mixed-dtype
-    ``addmm_`` (low-precision inputs, fp32 output), so each chunk of
-    ``chunk_rows`` rows of K is upcast to fp32 and ``addmm_``-ed; the fp32
-    temporaries are bounded by ``_TORCH_CHUNK_BYTES`` rather than being a
-    full-size ``K x (M + N)`` fp32 copy. Products of bf16/fp16 values are exact
-    in fp32, so only the fp32 summation order differs from the kernels.
+    ``grad_output: [K, M]``, ``input: [K, N]`` (2-D, validated).
+
+    - fp32 inputs: one ``addmm_``, no copy.
+    - bf16/fp16 on CUDA: ``torch.mm(grad_output.t(), input, out_dtype=float32)``
+      (cuBLAS, fp32 accumulation and output; newer torch) then ``add_``: one
+      ``M x N`` fp32 temporary, no copy of the inputs.
+    - otherwise (CPU, or a torch without ``out_dtype``): each chunk of
+      ``chunk_rows`` rows of K is upcast to fp32 and ``addmm_``-ed -- PyTorch has
+      no mixed-dtype ``addmm_`` there -- so the fp32 temporaries are bounded by
+      ``_TORCH_CHUNK_BYTES`` rather than being a full ``K x (M + N)`` fp32 copy.
+
+    Products of bf16/fp16 values are exact in fp32, so all variants differ from
+    the kernels only in fp32 summation order.
     """
+    global _mm_out_dtype_ok
     K, M = grad_output.shape
     N = input.shape[1]
     if K == 0 or M == 0 or N == 0:
@@ -261,6 +272,17 @@ def wgrad_accumulate_torch(
     if input.dtype == torch.float32:
         main_grad.addmm_(grad_output.t(), input)
         return
+    if main_grad.device.type == "cuda" and _mm_out_dtype_ok and chunk_rows is None:
+        try:
+            prod = torch.mm(grad_output.t(), input, out_dtype=torch.float32)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, NotImplementedError) as exc:
+            _mm_out_dtype_ok = False
+            logger.info("wgrad torch path: torch.mm(out_dtype=float32) unavailable (%s); upcasting K-chunks", exc)
+        else:
+            main_grad.add_(prod)
+            return
     rows = chunk_rows or max(1, _TORCH_CHUNK_BYTES // (4 * (M + N)))
     for k0 in range(0, K, rows):
         main_grad.addmm_(grad_output[k0 : k0 + rows].t().float(), input[k0 : k0 + rows].float())
