@@ -76,15 +76,14 @@ def _probe(name: str) -> tuple[Any, str]:
             module_name = {"triton": "triton", "extension": _EXT_MODULE}[name]
             try:
                 _probes[name] = (importlib.import_module(module_name), "")
-            except ImportError as exc:
-                if name == "triton":
-                    why = "triton not installed"
+            except ModuleNotFoundError as exc:
+                if exc.name != module_name:  # present, but something it imports is missing
+                    _probes[name] = (None, f"{module_name} failed to import: {exc}")
+                elif name == "triton":
+                    _probes[name] = (None, "triton not installed")
                 else:
-                    why = "extension regather._wgrad_ext not built (pip install with REGATHER_BUILD_EXT=1)"
-                if getattr(exc, "name", None) not in (module_name, None):
-                    why += f" ({exc})"  # the module exists but one of its imports failed
-                _probes[name] = (None, why)
-            except Exception as exc:  # a broken install must not break training
+                    _probes[name] = (None, f"{module_name} not built (pip install with REGATHER_BUILD_EXT=1)")
+            except Exception as exc:  # e.g. a .so that fails to load: must not break training
                 _probes[name] = (None, f"{module_name} failed to import: {exc!r}")
         return _probes[name]
 
