@@ -28,13 +28,13 @@ demo: venv
 	$(PY) -m regather demo
 
 test: venv
-	$(PY) -m pytest -q -n $(JOBS) tests
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests
 
 test-unit: venv
-	$(PY) -m pytest -q -n $(JOBS) tests/unit
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/unit
 
 test-distributed: venv
-	$(PY) -m pytest -q -n $(JOBS) tests/distributed
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
