@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -47,17 +47,49 @@ def lora_for(cfg: RunConfig) -> LoRA:
     from regather.strategies import Strategy
 
     strategy = Strategy.parse(cfg.strategy)
-    return LoRA(
+    kwargs = dict(
         target_modules=list(cfg.targets),
         dim=cfg.lora_dim,
         alpha=cfg.lora_alpha,
         lora_B_init_method=cfg.lora_B_init_method,
-        sequence_parallel_input_regather=strategy == Strategy.REGATHER,
     )
+    if strategy in (Strategy.GATHER, Strategy.REGATHER):
+        return LoRA(sequence_parallel_input_regather=strategy == Strategy.REGATHER, **kwargs)
+    return _lora_other(strategy, kwargs)
 
 
-def build_lora_gpt(cfg: RunConfig):
+_STRATEGY_FIELDS = ("strategy", "sequence_parallel_input_strategy", "input_strategy")
+
+
+def _strategy_field() -> Optional[str]:
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(LoRA)}
+    return next((name for name in _STRATEGY_FIELDS if name in fields), None)
+
+
+def requestable_strategies() -> list[str]:
+    """Strategies a ``LoRA`` config of this build can ask for (gather first)."""
+    from regather.strategies import Strategy
+
+    names = ["gather", "regather"]
+    if _strategy_field() is not None:
+        names += [s.value for s in Strategy if s.value not in names]
+    return names
+
+
+def _lora_other(strategy, kwargs) -> LoRA:
+    """A LoRA config asking for a strategy other than gather/regather (e.g. lowrank)."""
+    name = _strategy_field()
+    if name is None:
+        raise ValueError(f"LoRA has no field to ask for strategy {strategy.value!r}")
+    return LoRA(**{name: strategy.value}, **kwargs)
+
+
+def build_lora_gpt(cfg: RunConfig, device: Optional[torch.device] = None):
     model = build_gpt(cfg.shape, cfg.tp, cfg.sequence_parallel, cfg.torch_dtype, seed=cfg.seed)
+    if device is not None and torch.device(device).type != "cpu":
+        model = model.to(device)
     torch.manual_seed(cfg.seed + 1)  # adapter init: same on every rank and every TP size
     return lora_for(cfg)(model, training=True)
 
@@ -104,4 +136,87 @@ def train_lora(rank: int, world_size: int, cfg: RunConfig, tokens: Optional[torc
     times = out["step_time"][cfg.warmup:] or out["step_time"]
     out["median_step_time"] = statistics.median(times)
     out["config"] = asdict(cfg)
+    return out
+
+
+# -- several strategies in one process group ---------------------------------------
+
+
+def _to(batch, device):
+    if device is None or torch.device(device).type == "cpu":
+        return batch
+    return tuple(t.to(device) for t in batch)
+
+
+def _sync(device) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compare_strategies(
+    rank: int,
+    world_size: int,
+    cfg: RunConfig,
+    strategies: Sequence[str],
+    tokens: Optional[torch.Tensor] = None,
+    device: Optional[torch.device] = None,
+    progress: Optional[Callable[[str, int, float], None]] = None,
+) -> dict:
+    """Train one model per strategy side by side; return ``{strategy: result}``.
+
+    Every model starts from the same weights (``cfg.seed``) and sees the same
+    batches. Step ``i`` runs each strategy once, in an order rotated by ``i``,
+    each step starting after a barrier (not counted as communication). Step 0
+    is measured: retained bytes at the end of forward and collective bytes of
+    forward + backward. Each result has the keys of :func:`train_lora` (times of
+    steps ``>= cfg.warmup`` enter the median). ``progress(strategy, step,
+    seconds)`` is called after each step (rank 0 passes a printer).
+    """
+    import dataclasses
+
+    import torch.distributed as dist
+
+    models, opts, named = {}, {}, {}
+    for name in strategies:
+        models[name] = build_lora_gpt(dataclasses.replace(cfg, strategy=name), device)
+        named[name] = {n: p for n, p in models[name].named_parameters() if p.requires_grad}
+        opts[name] = torch.optim.Adam(named[name].values(), lr=cfg.lr)
+    out = {name: {"loss": [], "step_time": [], "rank": rank} for name in strategies}
+    for step, batch in enumerate(token_batches(cfg, tokens)):
+        batch = _to(batch, device)
+        k = step % len(strategies)
+        for name in list(strategies[k:]) + list(strategies[:k]):
+            model, opt, res = models[name], opts[name], out[name]
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            if step == 0:
+                with CollectiveBytes() as comm, SavedBytes.for_model(model) as saved:
+                    loss = gpt_loss(model, batch)
+                    res["comm_bytes_forward"] = comm.snapshot()
+                    loss.backward()
+                res["saved_bytes"] = saved.total
+                res["saved_adapter_input_bytes"] = saved.of(ADAPTER_INPUT)
+                res["saved_bytes_by_label"] = saved.by_label()
+                res["comm_bytes"] = comm.snapshot()
+                res["comm_calls"] = dict(comm.calls)
+            else:
+                loss = gpt_loss(model, batch)
+                loss.backward()
+            opt.step()
+            _sync(device)
+            dt = time.perf_counter() - t0
+            res["step_time"].append(dt)
+            res["loss"].append(loss.item())
+            if step == cfg.steps - 1:
+                res["grads"] = {n: p.grad.detach().float().cpu().clone() for n, p in named[name].items()}
+            if progress is not None:
+                progress(name, step, dt)
+    for name in strategies:
+        res = out[name]
+        res["decisions"] = {path: str(a.last_decision) for path, a in adapters(models[name]).items()}
+        times = res["step_time"][cfg.warmup:] or res["step_time"]
+        res["median_step_time"] = statistics.median(times)
+        res["config"] = asdict(dataclasses.replace(cfg, strategy=name))
     return out

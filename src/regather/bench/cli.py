@@ -1,0 +1,82 @@
+"""``regather bench``: every strategy on a real megatron-core GPT, counted and timed.
+
+Example (the committed CPU run, benchmarks/results/cpu/)::
+
+    regather bench --hidden 256 --layers 2 --heads 4 --ffn 1024 --seq 512 --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from regather.bench.runner import DEFAULT_TARGETS, BenchSpec
+
+
+def _strategies(value: str) -> tuple:
+    from regather.bench.runner import available_strategies
+
+    known = available_strategies()
+    names = tuple(v.strip().lower() for v in value.split(",") if v.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown strategies {unknown}; this build has {', '.join(known)}")
+    return names
+
+
+def _targets(value: str) -> tuple:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def register(subparsers) -> None:
+    d = BenchSpec()
+    p = subparsers.add_parser(
+        "bench", help="measure retained bytes, communication, step time and parity per strategy",
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model (default: tiny)")
+    g.add_argument("--hidden", type=int, default=d.hidden)
+    g.add_argument("--layers", type=int, default=d.layers)
+    g.add_argument("--heads", type=int, default=d.heads)
+    g.add_argument("--kv-heads", type=int, default=None, help="query groups (GQA); default = heads")
+    g.add_argument("--ffn", type=int, default=d.ffn)
+    g.add_argument("--vocab", type=int, default=d.vocab)
+    g = p.add_argument_group("run")
+    g.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size = ranks spawned")
+    g.add_argument("--seq", type=int, default=d.seq)
+    g.add_argument("--micro-batch", type=int, default=d.micro_batch)
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype)
+    g.add_argument("--lora-rank", type=int, default=d.lora_rank)
+    g.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
+    g.add_argument("--targets", type=_targets, default=",".join(DEFAULT_TARGETS))
+    g.add_argument("--steps", type=int, default=d.steps, help="steps per strategy (interleaved)")
+    g.add_argument("--warmup", type=int, default=d.warmup, help="first steps left out of the time median")
+    g.add_argument("--strategies", type=_strategies, default=None,
+                   help="comma list (default: all this build implements); gather is always included")
+    g.add_argument("--timeout", type=float, default=d.timeout, help="seconds before the ranks are killed")
+    g.add_argument("--out", metavar="DIR", help="write bench.json, bench.md and bench.png here")
+    g.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(func=main)
+
+
+def spec_from_args(args) -> BenchSpec:
+    if args.steps <= args.warmup:
+        raise SystemExit(f"regather bench: --steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    return BenchSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, vocab=args.vocab,
+                     kv_heads=args.kv_heads, tp=args.tp, seq=args.seq, micro_batch=args.micro_batch,
+                     dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                     targets=tuple(args.targets) if not isinstance(args.targets, str) else _targets(args.targets),
+                     steps=args.steps, warmup=args.warmup, strategies=tuple(args.strategies or ()),
+                     timeout=args.timeout, quiet=args.quiet)
+
+
+def main(args) -> int:
+    from regather.bench import report, runner
+
+    spec = spec_from_args(args)
+    summary = runner.run(spec)
+    summary["command"] = report.command_line()
+    summary["env"] = report.environment()
+    print(report.text_table(summary))
+    if args.out:
+        for path in report.write(summary, args.out):
+            print(f"wrote {path}")
+    return 0

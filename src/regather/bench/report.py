@@ -1,0 +1,187 @@
+"""Present a benchmark summary: terminal table, markdown, JSON, PNG chart.
+
+Every output states where the numbers came from: the hardware, the torch and
+megatron-core versions, and the exact command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from typing import Optional
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
+
+
+def environment() -> dict:
+    """Hardware and software the run used."""
+    import torch
+
+    try:
+        import megatron.core
+
+        megatron = getattr(megatron.core, "__version__", "unknown")
+    except Exception:  # noqa: BLE001
+        megatron = "not installed"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "megatron_core": megatron,
+        "platform": platform.platform(),
+    }
+
+
+def command_line(argv: Optional[list] = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    return "regather " + " ".join(shlex.quote(a) for a in argv)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def _comm(row: dict, key: str) -> str:
+    parts = [f"{k.replace('_', '-')} {_mb(v)}" for k, v in row[key].items() if v]
+    return ", ".join(parts) or "0"
+
+
+def rows(summary: dict) -> list[list[str]]:
+    """One list of cells per strategy (shared by the terminal and markdown tables)."""
+    out = []
+    for name, r in summary["strategies"].items():
+        out.append([
+            name,
+            _mb(r["saved_bytes"]),
+            _mb(r["saved_adapter_input_bytes"]),
+            _mb(r["comm_bytes_total"]),
+            _comm(r, "comm_bytes_extra_vs_gather") if name != "gather" else "-",
+            f"{r['median_step_time'] * 1e3:.1f}",
+            f"{r['step_time_ratio_vs_gather']:.3f}",
+            f"{r['paired_step_time_ratio_vs_gather']:.3f}",
+            f"{r['max_abs_loss_diff']:.1e}",
+            f"{r['max_abs_grad_diff']:.1e} ({r['max_rel_grad_diff']:.1e})",
+            " + ".join(f"{n} {d}" for d, n in r["adapters_by_strategy"].items()),
+        ])
+    return out
+
+
+HEADER = ["strategy", "retained MiB", "adapter-input MiB", "comm MiB/step", "extra comm vs gather (MiB)",
+          "median step ms", "x gather", "x gather (paired)", "max |dloss|", "max |dgrad| (rel)", "adapters"]
+
+
+def text_table(summary: dict) -> str:
+    cells = [HEADER] + rows(summary)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(HEADER) - 1)]  # adapters: listed below
+    lines = []
+    for j, r in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("adapters running each strategy: " + "; ".join(f"{r[0]}: {r[-1]}" for r in rows(summary)))
+    return "\n".join(lines)
+
+
+def _spec_line(spec: dict) -> str:
+    kv = f" ({spec['kv_heads']} kv)" if spec.get("kv_heads") else ""
+    return (f"GPT {spec['layers']} layers, hidden {spec['hidden']}, {spec['heads']} heads{kv}, ffn {spec['ffn']}, "
+            f"vocab {spec['vocab']}; TP={spec['tp']} + SP, seq {spec['seq']}, micro-batch {spec['micro_batch']}, "
+            f"{spec['dtype']}, LoRA rank {spec['lora_rank']} on {', '.join(spec['targets'])}; "
+            f"{spec['steps']} steps, first {spec['warmup']} not timed")
+
+
+def markdown(summary: dict) -> str:
+    env, spec = summary["env"], summary["spec"]
+    hw = f"{env['cpu_count']} x {env['cpu']}" + (f", GPU {env['gpu']}" if env.get("gpu") else "")
+    lines = [
+        "# regather bench",
+        "",
+        f"- command: `{summary['command']}`",
+        f"- hardware: {hw}; backend {summary['backend']}, {spec['tp']} ranks",
+        f"- software: Python {env['python']}, torch {env['torch']}, megatron-core {env['megatron_core']}",
+        f"- model/run: {_spec_line(spec)}",
+        f"- wall time: {summary['wall_seconds']:.0f} s",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "|".join("---" if i == 0 or i == len(HEADER) - 1 else "---:" for i in range(len(HEADER))) + "|",
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(summary)]
+    lines += [
+        "",
+        "Definitions (design.md §7): *retained* = unique storages autograd saved for backward at the end of",
+        "the first forward (parameters excluded), *adapter-input* = the part LoRA-A saved; *comm* = bytes",
+        "received per rank in one training step under ring algorithms, all collectives including",
+        "megatron-core's own; step times are the slowest rank's, medians after warm-up, with the ratio",
+        "to the gather path measured in the same process group with steps interleaved; *paired* is the",
+        "median of per-step ratios. Loss and gradient differences are against the gather path (rank 0,",
+        "last step's LoRA gradients; relative = divided by the largest |gradient|).",
+    ]
+    if summary["backend"] == "gloo":
+        lines.append("CPU times show relative cost only; absolute times need a GPU.")
+    return "\n".join(lines) + "\n"
+
+
+def chart(summary: dict, path: str) -> None:
+    """Three panels: adapter-input vs other retained bytes, comm bytes by kind, step-time ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["strategies"])
+    rs = [summary["strategies"][n] for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    adapter = [r["saved_adapter_input_bytes"] / 2**20 for r in rs]
+    other = [(r["saved_bytes"] - r["saved_adapter_input_bytes"]) / 2**20 for r in rs]
+    axes[0].bar(names, other, label="other saved tensors", color="#bbbbbb")
+    axes[0].bar(names, adapter, bottom=other, label="LoRA-A input", color="#d62728")
+    axes[0].set_ylabel("MiB retained at end of forward")
+    axes[0].legend(fontsize=8)
+    bottom = [0.0] * len(rs)
+    for kind in KINDS:
+        vals = [r["comm_bytes"].get(kind, 0) / 2**20 for r in rs]
+        if any(vals):
+            axes[1].bar(names, vals, bottom=bottom, label=kind)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    axes[1].set_ylabel("MiB received per rank per step")
+    axes[1].legend(fontsize=8)
+    ratios = [r["step_time_ratio_vs_gather"] for r in rs]
+    axes[2].bar(names, ratios, color="#1f77b4")
+    axes[2].axhline(1.0, color="k", lw=0.8)
+    axes[2].set_ylabel("median step time / gather")
+    axes[2].set_ylim(0, max(ratios) * 1.15)
+    spec, env = summary["spec"], summary["env"]
+    fig.suptitle(f"regather bench: h={spec['hidden']} L={spec['layers']} TP={spec['tp']} s={spec['seq']} "
+                 f"b={spec['micro_batch']} {spec['dtype']} r={spec['lora_rank']} "
+                 f"({summary['backend']}, {env['cpu_count']} CPUs{', ' + env['gpu'] if env.get('gpu') else ''})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(summary: dict, out_dir: str) -> list[str]:
+    """Write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, n) for n in ("bench.json", "bench.md", "bench.png")]
+    with open(paths[0], "w") as f:
+        json.dump(summary, f, indent=1, sort_keys=True)
+    with open(paths[1], "w") as f:
+        f.write(markdown(summary))
+    chart(summary, paths[2])
+    return paths
