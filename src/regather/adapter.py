@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from regather import accounting
+from regather import accounting, debug
 from regather.buffers import ScratchPool, default_pool
 from regather.eligibility import AdapterFacts, RunState, unsupported_reason
 from regather.strategies import Strategy
@@ -217,6 +217,7 @@ class ParallelLinearAdapter(nn.Module):
         from megatron.core.tensor_parallel import mappings
 
         self._check_input(x)
+        debug.maybe_check_adapter_input(self, x)  # opt-in: REGATHER_DEBUG_SHAPES=1 / check_shapes
         decision = self.decide()
         self.last_decision = decision
         self._log_fallback(decision)
