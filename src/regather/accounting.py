@@ -3,7 +3,8 @@
 - :class:`SavedBytes` — a ``saved_tensors_hooks`` context: the unique storages
   autograd saves for backward during the forward it wraps (parameters
   excluded), with a separate total per *label*. Code marks what it saves with
-  :func:`label` (the adapters mark LoRA-A's input as ``"adapter_input"``).
+  :func:`label` (the adapters mark LoRA-A's input as ``"adapter_input:<base>"``,
+  e.g. ``"adapter_input:linear_qkv"``; ``of("adapter_input")`` sums them all).
 - :class:`CollectiveBytes` — wraps the ``torch.distributed`` collectives
   (and every alias megatron-core or regather took of them at import) and counts
   per kind the bytes each rank *receives* under the usual ring algorithms:
@@ -86,7 +87,9 @@ class SavedBytes:
         return dict(out)
 
     def of(self, name: str) -> int:
-        return self.by_label().get(name, 0)
+        """Bytes under ``name`` and its sub-labels (``name:anything``)."""
+        return sum(n for label_, n in self.by_label().items()
+                   if label_ == name or label_.startswith(name + ":"))
 
 
 def _group_size(kwargs, args, pos) -> int:
