@@ -202,6 +202,51 @@ def test_fp32_torch_path_is_addmm():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mg_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_low_precision_main_grad(mg_dtype, dtype):
+    """megatron with grad_reduce_in_fp32=False: main_grad in the param dtype.
+
+    The product is summed in fp32 and rounded once into main_grad, so the
+    result equals ``(main_grad.float() + fp32 product).to(mg_dtype)`` exactly
+    (the product taken from an fp32 main_grad of zeros through the same path).
+    """
+    mg0, go, x = _inputs(300, 7, 33, dtype, lead=(30, 10))
+    mg0 = mg0.to(mg_dtype)
+    out = mg0.clone()
+    wgrad_accumulate_(out, go, x)
+    prod = torch.zeros(7, 33)
+    wgrad_accumulate_(prod, go, x)
+    assert out.dtype == mg_dtype
+    assert torch.equal(out, (mg0.float() + prod).to(mg_dtype))
+    # and it is accurate: within one rounding (plus fp32 summation) of the fp64 value
+    ref = mg0.double() + go.reshape(-1, 7).double().t() @ x.reshape(-1, 33).double()
+    ulp = torch.finfo(mg_dtype).eps * ref.abs().clamp_min(1.0)
+    assert ((out.double() - ref).abs() <= ulp).all()
+
+
+def test_low_precision_main_grad_empty_k_and_errors():
+    mg = torch.ones(3, 4, dtype=torch.bfloat16)
+    wgrad_accumulate_(mg, torch.empty(0, 3, dtype=torch.bfloat16), torch.empty(0, 4, dtype=torch.bfloat16))
+    assert torch.equal(mg, torch.ones(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="K=8 vs 9"):
+        wgrad_accumulate_(mg, torch.zeros(8, 3, dtype=_BF), torch.zeros(9, 4, dtype=_BF))
+
+
+def test_weight_grad_fuses_into_bf16_main_grad():
+    """strategies.wgrad.weight_grad with fusion on and a bf16 main_grad (no fp32 requirement)."""
+    from regather.strategies.wgrad import weight_grad
+
+    w = torch.nn.Parameter(torch.zeros(4, 6, dtype=_BF))
+    w.main_grad = torch.zeros(4, 6, dtype=_BF)
+    w.grad_added_to_main_grad = False
+    go, x = torch.randn(10, 4).to(_BF), torch.randn(10, 6).to(_BF)
+    assert weight_grad(w, go, x, fuse=True) is None
+    assert w.grad_added_to_main_grad
+    expect = (go.float().t() @ x.float()).to(_BF)
+    torch.testing.assert_close(w.main_grad, expect, rtol=0, atol=0)
+
+
 def test_empty_k_is_noop():
     mg0 = torch.randn(3, 4)
     out = mg0.clone()
@@ -308,7 +353,7 @@ _BF = torch.bfloat16
     "mg,go,x,match",
     [
         (torch.zeros(4), torch.zeros(8, 4, dtype=_BF), torch.zeros(8, 4, dtype=_BF), r"main_grad must be 2-D \[M, N\], got shape \(4,\)"),
-        (torch.zeros(4, 6, dtype=_BF), torch.zeros(8, 4, dtype=_BF), torch.zeros(8, 6, dtype=_BF), "main_grad must be float32, got torch.bfloat16"),
+        (torch.zeros(4, 6, dtype=torch.float64), torch.zeros(8, 4, dtype=_BF), torch.zeros(8, 6, dtype=_BF), "main_grad must be float32, bfloat16 or float16, got torch.float64"),
         (torch.zeros(4, 6), torch.zeros(8, 5, dtype=_BF), torch.zeros(8, 6, dtype=_BF), r"grad_output \(8, 5\), input \(8, 6\)"),
         (torch.zeros(4, 6), torch.zeros(8, 4, dtype=_BF), torch.zeros(8, 7, dtype=_BF), r"needs grad_output \[\.\.\., 4\] and input \[\.\.\., 6\]"),
         (torch.zeros(4, 6), torch.zeros(8, 4, dtype=_BF), torch.zeros(9, 6, dtype=_BF), "K=8 vs 9"),

@@ -7,12 +7,18 @@
 =================  =================  ====================  =====================================
 argument           shape              dtype                 notes
 =================  =================  ====================  =====================================
-``main_grad``      ``[M, N]``         fp32                  updated in place; ``stride(-1) == 1``
+``main_grad``      ``[M, N]``         fp32 (bf16 / fp16)    updated in place; ``stride(-1) == 1``
 ``grad_output``    ``[..., M]``       bf16 / fp16 / fp32    leading dims flattened to K
 ``input``          ``[..., N]``       same as grad_output   same leading dims (or same K)
 =================  =================  ====================  =====================================
 
 For LoRA-A under TP+SP: ``M = r/t`` (rank shard), ``N = h``, ``K = s*b``.
+
+A bf16 / fp16 ``main_grad`` (megatron DDP with ``grad_reduce_in_fp32=False``)
+is accepted too: the product is accumulated in fp32 by the chosen backend into
+an ``M x N`` fp32 temporary (zero-initialised, ``r*h`` elements: small), which is
+added to ``main_grad`` once -- one rounding to the low-precision dtype, as
+apex's ``wgrad_gemm_accum_fp16`` (a GEMM with fp16 C and ``beta = 1``) does.
 
 Backends, picked per device type in this order (``wgrad_backend``):
 
@@ -56,6 +62,7 @@ BACKENDS = ("extension", "triton", "torch")
 ENV_BACKEND = "REGATHER_WGRAD_BACKEND"
 _REQUESTS = ("auto",) + BACKENDS
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TORCH_CHUNK_BYTES = 64 << 20  # fp32 temporaries per chunk on the torch path
 _EXT_MODULE = "regather._wgrad_ext"
 
@@ -187,8 +194,8 @@ def _validate(main_grad: Any, grad_output: Any, input: Any) -> tuple[torch.Tenso
             raise ValueError(f"wgrad: {name} must be a torch.Tensor, got {type(t).__name__}")
     if main_grad.dim() != 2:
         raise ValueError(f"wgrad: main_grad must be 2-D [M, N], got shape {tuple(main_grad.shape)}")
-    if main_grad.dtype != torch.float32:
-        raise ValueError(f"wgrad: main_grad must be float32, got {main_grad.dtype}")
+    if main_grad.dtype not in _MAIN_GRAD_DTYPES:
+        raise ValueError(f"wgrad: main_grad must be float32, bfloat16 or float16, got {main_grad.dtype}")
     M, N = main_grad.shape
     if grad_output.dim() < 2 or input.dim() < 2:
         raise ValueError(
@@ -308,6 +315,9 @@ def wgrad_accumulate_(
 ) -> None:
     """``main_grad[M, N] += grad_output[..., M]^T @ input[..., N]`` in fp32, in place.
 
+    ``main_grad`` is fp32, or bf16 / fp16: then the fp32 product is formed in an
+    ``[M, N]`` fp32 temporary and added once (a single rounding).
+
     Validates shapes, dtypes and devices first (``ValueError`` naming the
     offending values; ``main_grad`` is untouched on error), flattens the
     leading dims to K, then runs the backend ``wgrad_backend`` picks for the
@@ -317,5 +327,11 @@ def wgrad_accumulate_(
     go2d, x2d = _validate(main_grad, grad_output, input)
     choice = wgrad_backend(main_grad.device, backend)
     if go2d.shape[0] == 0 or main_grad.numel() == 0:
+        return
+    if main_grad.dtype != torch.float32:
+        with torch.no_grad():
+            acc = torch.zeros(main_grad.shape, dtype=torch.float32, device=main_grad.device)
+            _IMPLS[choice](acc, go2d, x2d)
+            main_grad.add_(acc)  # fp32 math, one rounding to main_grad's dtype
         return
     _IMPLS[choice](main_grad, go2d, x2d)
