@@ -73,7 +73,7 @@ def main(args) -> int:
 
     spec = spec_from_args(args)
     summary = runner.run(spec)
-    summary["command"] = report.command_line()
+    summary["command"] = report.command_line(summary["spec"], args.out)
     summary["env"] = report.environment()
     print(report.text_table(summary))
     if args.out:

@@ -10,7 +10,6 @@ import json
 import os
 import platform
 import shlex
-import sys
 from typing import Optional
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
@@ -47,9 +46,18 @@ def environment() -> dict:
     }
 
 
-def command_line(argv: Optional[list] = None) -> str:
-    argv = sys.argv[1:] if argv is None else argv
-    return "regather " + " ".join(shlex.quote(a) for a in argv)
+def command_line(spec: dict, out: Optional[str] = None) -> str:
+    """The full ``regather bench`` command that reproduces ``spec`` (every option explicit)."""
+    opts = ["--hidden", spec["hidden"], "--layers", spec["layers"], "--heads", spec["heads"]]
+    if spec.get("kv_heads"):
+        opts += ["--kv-heads", spec["kv_heads"]]
+    opts += ["--ffn", spec["ffn"], "--vocab", spec["vocab"], "--tp", spec["tp"], "--seq", spec["seq"],
+             "--micro-batch", spec["micro_batch"], "--dtype", spec["dtype"], "--lora-rank", spec["lora_rank"],
+             "--lora-alpha", spec["lora_alpha"], "--targets", ",".join(spec["targets"]),
+             "--steps", spec["steps"], "--warmup", spec["warmup"], "--strategies", ",".join(spec["strategies"])]
+    if out:
+        opts += ["--out", out]
+    return "regather bench " + " ".join(shlex.quote(str(o)) for o in opts)
 
 
 def _mb(n: float) -> str:

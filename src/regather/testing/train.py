@@ -43,15 +43,27 @@ class RunConfig:
         return getattr(torch, self.dtype)
 
 
+# Variants a benchmark can put side by side: name -> (strategy, LoRA field overrides).
+VARIANTS = {"regather-plain": ("regather", {"early_regather": False})}
+
+
+def _lora_fields() -> set:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(LoRA)}
+
+
 def lora_for(cfg: RunConfig) -> LoRA:
     from regather.strategies import Strategy
 
-    strategy = Strategy.parse(cfg.strategy)
+    name, overrides = VARIANTS.get(cfg.strategy, (cfg.strategy, {}))
+    strategy = Strategy.parse(name)
     kwargs = dict(
         target_modules=list(cfg.targets),
         dim=cfg.lora_dim,
         alpha=cfg.lora_alpha,
         lora_B_init_method=cfg.lora_B_init_method,
+        **overrides,
     )
     if strategy in (Strategy.GATHER, Strategy.REGATHER):
         return LoRA(sequence_parallel_input_regather=strategy == Strategy.REGATHER, **kwargs)
@@ -62,19 +74,21 @@ _STRATEGY_FIELDS = ("strategy", "sequence_parallel_input_strategy", "input_strat
 
 
 def _strategy_field() -> Optional[str]:
-    import dataclasses
-
-    fields = {f.name for f in dataclasses.fields(LoRA)}
+    fields = _lora_fields()
     return next((name for name in _STRATEGY_FIELDS if name in fields), None)
 
 
-def requestable_strategies() -> list[str]:
-    """Strategies a ``LoRA`` config of this build can ask for (gather first)."""
+def requestable_strategies(variants: bool = True) -> list[str]:
+    """Strategies a ``LoRA`` config of this build can ask for (gather first), and with
+    ``variants`` the :data:`VARIANTS` whose options it has (e.g. ``regather-plain``)."""
     from regather.strategies import Strategy
 
     names = ["gather", "regather"]
     if _strategy_field() is not None:
         names += [s.value for s in Strategy if s.value not in names]
+    if variants:
+        fields = _lora_fields()
+        names += [v for v, (base, opts) in VARIANTS.items() if base in names and set(opts) <= fields]
     return names
 
 

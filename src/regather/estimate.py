@@ -1,0 +1,323 @@
+"""``regather estimate``: LoRA-A input memory and extra communication, analytically.
+
+Same definitions as ``regather bench`` (design.md §7), so the two agree byte
+for byte on the configurations bench can run (``tests/unit/test_estimate.py``):
+
+- **adapter-input bytes** — what the LoRA-A weights keep for their gradient,
+  per GPU, summed over the adapters of the layers this GPU holds and over the
+  micro-batches in flight. Per adapter and micro-batch (``e`` = activation
+  bytes, ``t`` TP size, SP on):
+
+  ======================= ===================== =============================
+  adapter                 gather                regather / lowrank
+  ======================= ===================== =============================
+  linear_qkv, dense fc1   ``s*b*h*e``           ``s*b*h/t*e`` (eligible)
+  linear_proj             ``s*b*(heads*d)/t*e`` same (row-parallel, ineligible)
+  dense linear_fc2        ``s*b*ffn/t*e``       same
+  expert fc1 / fc2        ≈ ``s*b*k*h/t*e``, ≈ ``s*b*k*f_moe/t*e`` (MoE; never re-gather)
+  ======================= ===================== =============================
+
+  Without SP, or at TP=1, every strategy keeps ``s*b*h*e`` for qkv/fc1.
+- **communication** — bytes each rank *receives* per micro-batch (forward +
+  backward) under ring algorithms (``regather.accounting``): an all-gather of an
+  output of ``n`` bytes costs ``n*(t-1)/t``, a reduce-scatter of an input of
+  ``n`` bytes ``n*(t-1)/t``, an all-reduce ``2n*(t-1)/t``. Per eligible adapter,
+  relative to the gather path (``f = (t-1)/t``, ``eg`` = dA gradient bytes):
+
+  ========= ============================== ====================================
+  strategy  added                          removed
+  ========= ============================== ====================================
+  regather  all-gather ``s*b*h*e*f``       —
+  lowrank   reduce-scatter ``s*b*r*e*f``,  all-gather ``s*b*h*e*f``,
+            all-reduce ``2*r*h*eg*f``      reduce-scatter ``s*b*h*e*f``,
+                                           all-reduce ``2*s*b*r*e*f``
+  ========= ============================== ====================================
+
+  (The first layer's qkv input needs no gradient when the embeddings are
+  frozen, so no path reduce-scatters its ``dX``: lowrank removes one such
+  reduce-scatter less on the first pipeline stage. Lowrank's forward
+  all-gather of ``mid`` over the sequence, ``s*b*r``
+  elements, replaces the gather path's all-gather of ``mid`` over the rank, of
+  the same size; its ``dA`` all-reduce is per micro-batch when done in
+  backward, the library default.) Everything megatron-core itself sends is the
+  same for every strategy and not part of the "extra".
+
+Model presets (config.json of each model on the Hugging Face Hub, as
+recalled; check before relying on them): **Qwen3-8B** h=4096, ffn=12288, 36
+layers, 32 heads, 8 kv heads, head_dim 128, vocab 151936; **Qwen3-30B-A3B**
+h=2048, 48 layers all MoE, 32 heads, 4 kv heads, head_dim 128 (so attention is
+4096 wide, wider than h), 128 experts, moe ffn 768, top-8, no dense MLP and no
+shared expert; **GPT-OSS-120B** h=2880, 36 layers all MoE, 64 heads, 8 kv heads,
+head_dim 64, 128 experts, moe ffn 2880, top-4, vocab 201088; **Llama3-70B**
+h=8192, ffn=28672, 80 layers, 64 heads, 8 kv heads, head_dim 128, vocab 128256.
+
+Assumptions: SP layout ``[s, b, h]`` sharded over ``s``; LoRA on the linears
+named in ``--targets``; in MoE layers ``linear_fc1``/``linear_fc2`` are the
+experts' (they never re-gather, design.md §5) and their numbers assume expert
+TP 1 and balanced routing (``s*b/t`` tokens per rank, each sent to ``k``
+experts) — an approximation, marked ``≈`` and left out of the exact test;
+pipeline stages hold ``layers/pp`` layers; router, attention internals,
+allocator and workspace memory are not modelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+ELIGIBLE = ("linear_qkv", "linear_fc1")
+ALL_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+STRATEGIES = ("gather", "regather", "lowrank")
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None  # default hidden // heads
+    ffn: int = 0  # dense MLP width (0: every layer is MoE)
+    experts: int = 0
+    moe_ffn: int = 0
+    topk: int = 0
+    vocab: int = 0
+
+    @property
+    def attn_width(self) -> int:
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+
+PRESETS = {
+    "qwen3-8b": Model("Qwen3-8B", hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
+                      ffn=12288, vocab=151936),
+    "qwen3-30b-a3b": Model("Qwen3-30B-A3B", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
+                           experts=128, moe_ffn=768, topk=8, vocab=151936),
+    "gpt-oss-120b": Model("GPT-OSS-120B", hidden=2880, layers=36, heads=64, kv_heads=8, head_dim=64,
+                          experts=128, moe_ffn=2880, topk=4, vocab=201088),
+    "llama3-70b": Model("Llama3-70B", hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128,
+                        ffn=28672, vocab=128256),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    tp: int = 2
+    sp: bool = True
+    seq: int = 8192
+    micro_batch: int = 1
+    in_flight: int = 1  # micro-batches whose activations are alive at once (pipeline schedules)
+    pp: int = 1
+    dtype: str = "bfloat16"
+    grad_dtype: Optional[str] = None  # dtype of LoRA-A's gradient (default: dtype; fp32 with main_grad)
+    lora_rank: int = 16
+    targets: tuple = ALL_TARGETS
+    # this GPU holds the first layer: with frozen embeddings, its qkv input needs no
+    # gradient, so no path reduce-scatters that adapter's dX (lowrank removes one RS less)
+    first_stage: bool = True
+
+    @property
+    def e(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def eg(self) -> int:
+        return DTYPE_BYTES[self.grad_dtype or self.dtype]
+
+
+def _ring(nbytes: int, t: int) -> int:
+    """Bytes received per rank for a gather output / scatter input of ``nbytes`` (accounting.py)."""
+    return nbytes * (t - 1) // t
+
+
+def layers_here(model: Model, run: Run) -> int:
+    if model.layers % run.pp:
+        raise ValueError(f"{model.layers} layers do not split into {run.pp} pipeline stages")
+    return model.layers // run.pp
+
+
+def eligible_per_layer(model: Model, run: Run) -> list[str]:
+    """Adapters that may keep only their shard (qkv, and fc1 of a dense MLP)."""
+    if not run.sp or run.tp <= 1:
+        return []
+    names = [n for n in ELIGIBLE if n in run.targets]
+    return [n for n in names if not (n == "linear_fc1" and model.moe)]
+
+
+def adapter_input_bytes(model: Model, run: Run, strategy: str) -> dict:
+    """Per GPU, by target: ``{"linear_qkv": n, ..., "experts≈": n}`` (all micro-batches in flight)."""
+    s, b, t, e = run.seq, run.micro_batch, run.tp, run.e
+    if run.sp and s % t:
+        raise ValueError(f"sequence {s} is not divisible by TP {t}")
+    local = strategy != "gather"
+    eligible = eligible_per_layer(model, run)
+    per_layer = {}
+    for name in run.targets:
+        if name in ("linear_qkv", "linear_fc1") and not (name == "linear_fc1" and model.moe):
+            per_layer[name] = s * b * model.hidden * e // (t if (local and name in eligible) else 1)
+        elif name == "linear_proj":
+            per_layer[name] = s * b * model.attn_width // t * e
+        elif name == "linear_fc2" and not model.moe:
+            per_layer[name] = s * b * model.ffn // t * e
+    if model.moe:  # approximate: expert TP 1, balanced routing
+        tokens = s * b * model.topk // t
+        moe = 0
+        if "linear_fc1" in run.targets:
+            moe += tokens * model.hidden * e
+        if "linear_fc2" in run.targets:
+            moe += tokens * model.moe_ffn * e
+        if moe:
+            per_layer["experts≈"] = moe
+    n = layers_here(model, run) * run.in_flight
+    return {k: v * n for k, v in per_layer.items()}
+
+
+def comm_changes(model: Model, run: Run, strategy: str) -> list[tuple[str, int, str]]:
+    """Collectives a strategy adds (+) or removes (-) against the gather path, per micro-batch:
+    ``[(kind, signed bytes received per rank, what), ...]`` summed over the eligible adapters."""
+    n = len(eligible_per_layer(model, run)) * layers_here(model, run)
+    s, b, h, r, t, e, eg = run.seq, run.micro_batch, model.hidden, run.lora_rank, run.tp, run.e, run.eg
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    if strategy == "gather" or n == 0:
+        return []
+    x = _ring(s * b * h * e, t)
+    if strategy == "regather":
+        return [("all_gather", n * x, "backward re-gather of x_local")]
+    mid = _ring(s * b * r * e, t)
+    with_dx = n - int(run.first_stage and "linear_qkv" in eligible_per_layer(model, run))
+    return [
+        ("all_gather", -n * x, "forward gather of x (not needed)"),
+        ("reduce_scatter", -with_dx * x, "backward reduce-scatter of dX (dX is local)"),
+        ("all_reduce", -2 * n * mid, "LoRA-B input-grad all-reduce (reduce-scatter sums dmid)"),
+        ("reduce_scatter", n * mid, "backward reduce-scatter of dmid over s"),
+        ("all_reduce", 2 * n * _ring(r * h * eg, t), "dA all-reduce of the replicated LoRA-A"),
+    ]
+
+
+def extra_comm_bytes(model: Model, run: Run, strategy: str) -> dict:
+    """Net bytes received per rank per micro-batch beyond the gather path, by collective kind."""
+    out: dict[str, int] = {}
+    for kind, n, _ in comm_changes(model, run, strategy):
+        out[kind] = out.get(kind, 0) + n
+    return out
+
+
+def estimate(model: Model, run: Run, strategies=STRATEGIES) -> dict:
+    """Per strategy: adapter-input bytes (exact, and ≈ experts), saved vs gather, extra comm
+    (net by kind, and the bytes of the collectives it adds)."""
+    out = {}
+    base = adapter_input_bytes(model, run, "gather")
+    for name in strategies:
+        parts = adapter_input_bytes(model, run, name)
+        exact = sum(v for k, v in parts.items() if not k.endswith("≈"))
+        comm = extra_comm_bytes(model, run, name)
+        out[name] = {
+            "adapter_input_bytes": exact,
+            "adapter_input_bytes_experts_approx": sum(v for k, v in parts.items() if k.endswith("≈")),
+            "adapter_input_by_target": parts,
+            "saved_vs_gather": sum(base.values()) - sum(parts.values()),
+            "extra_comm_bytes": comm,
+            "extra_comm_total": sum(comm.values()),
+            "added_comm_bytes": sum(n for _, n, _ in comm_changes(model, run, name) if n > 0),
+        }
+    return out
+
+
+# -- command line -------------------------------------------------------------------
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB ({n / 2**30:.3f} GiB)"
+
+
+def format_report(model: Model, run: Run, result: dict) -> str:
+    eligible = eligible_per_layer(model, run)
+    lines = [
+        f"{model.name}: h={model.hidden}, {model.layers} layers ({layers_here(model, run)} on this GPU), "
+        f"{model.heads} heads / {model.kv_heads or model.heads} kv, "
+        + (f"{model.experts} experts x {model.moe_ffn} top-{model.topk}" if model.moe else f"ffn {model.ffn}"),
+        f"run: TP={run.tp} SP={'on' if run.sp else 'off'} seq={run.seq} micro-batch={run.micro_batch} "
+        f"in-flight={run.in_flight} PP={run.pp} {run.dtype} LoRA r={run.lora_rank} on {', '.join(run.targets)}",
+        f"re-gather-eligible adapters per layer: {', '.join(eligible) or 'none'}",
+        "",
+    ]
+    for name, row in result.items():
+        lines.append(f"[{name}]")
+        lines.append(f"  adapter-input bytes per GPU : {_gb(row['adapter_input_bytes'])}")
+        if row["adapter_input_bytes_experts_approx"]:
+            lines.append(f"    + expert adapters (≈)    : {_gb(row['adapter_input_bytes_experts_approx'])}")
+        lines.append(f"  saved vs gather             : {_gb(row['saved_vs_gather'])}")
+        comm = row["extra_comm_bytes"]
+        if comm:
+            kinds = ", ".join(f"{k} {v / 2**20:+,.1f} MiB" for k, v in comm.items())
+            lines.append(f"  extra comm per micro-batch  : {row['extra_comm_total'] / 2**20:+,.1f} MiB net ({kinds});"
+                         f" new collectives {row['added_comm_bytes'] / 2**20:,.1f} MiB")
+        else:
+            lines.append("  extra comm per micro-batch  : 0")
+    return "\n".join(lines)
+
+
+def _targets(value: str) -> tuple:
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [n for n in names if n not in ALL_TARGETS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown targets {bad}; expected some of {', '.join(ALL_TARGETS)}")
+    return names
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "estimate", help="analytic LoRA-A input memory and extra communication per strategy",
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=sorted(PRESETS), default="qwen3-8b", help="preset (custom sizes override)")
+    for flag in ("hidden", "ffn", "layers", "heads", "kv-heads", "head-dim", "experts", "moe-ffn", "topk"):
+        p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--in-flight", type=int, default=1, help="micro-batches alive at once")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (layers per GPU = layers/pp)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+    p.add_argument("--grad-dtype", choices=sorted(DTYPE_BYTES), default=None,
+                   help="LoRA-A gradient dtype for lowrank's dA all-reduce (default: --dtype; "
+                        "float32 with gradient-accumulation fusion)")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--targets", type=_targets, default=",".join(ALL_TARGETS))
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=main)
+
+
+def model_from_args(args) -> Model:
+    model = PRESETS[args.model]
+    custom = {k: getattr(args, k) for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "head_dim",
+                                            "experts", "moe_ffn", "topk") if getattr(args, k) is not None}
+    return replace(model, name=model.name + (" (custom)" if custom else ""), **custom)
+
+
+def main(args) -> int:
+    import json
+
+    model = model_from_args(args)
+    run = Run(tp=args.tp, sp=args.sp, seq=args.seq, micro_batch=args.micro_batch, in_flight=args.in_flight,
+              pp=args.pp, dtype=args.dtype, grad_dtype=args.grad_dtype, lora_rank=args.lora_rank,
+              targets=tuple(args.targets) if not isinstance(args.targets, str) else _targets(args.targets))
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise SystemExit(f"regather estimate: unknown strategies {unknown}; expected some of {STRATEGIES}")
+    result = estimate(model, run, strategies)
+    if args.json:
+        print(json.dumps({"model": asdict(model), "run": asdict(run), "strategies": result}, indent=1))
+    else:
+        print(format_report(model, run, result))
+    return 0
