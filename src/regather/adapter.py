@@ -15,6 +15,12 @@ Column-parallel base, data flow per rank (SP on, input ``x_local [s/t, b, h]``):
     mid   = all_gather_last_dim(mid_i)                                [s, b, r]
     out_i = scale * mid B_i^T          backward all-reduces dmid      [s, b, o/t]
 
+Low-rank strategy (column-parallel base, SP on; LoRA-A replicated ``[r, h]``)::
+
+    mid   = all_gather_seq(x_local A^T)    backward: reduce-scatter    [s, b, r]
+    out_i = scale * mid B_i^T          backward does NOT all-reduce   [s, b, o/t]
+    dA    = all_reduce_tp(dmid_local^T x_local)   (or finalize_model_grads)
+
 Row-parallel base (input ``x_i [s, b, h/t]``)::
 
     mid   = all_reduce(x_i A_i^T)                                     [s, b, r]
@@ -23,7 +29,15 @@ Row-parallel base (input ``x_i [s, b, h/t]``)::
 ``scale = alpha / dim``; dropout on the adapter input ("pre") or output
 ("post"). Every forward evaluates :func:`regather.eligibility.unsupported_reason`;
 when the requested strategy cannot run, the gather path runs instead with
-unchanged numerics and the first reason is logged once.
+unchanged numerics and the first reason is logged once (a replicated LoRA-A
+then runs as its rank's rows, see :mod:`regather.strategies.lowrank`).
+
+Checkpoints always hold the sharded (Bridge) layout: a low-rank adapter
+writes its rank's rows ``A[rank*r/t:(rank+1)*r/t]`` and, on load, all-gathers
+the shards over the TP group (so ``load_state_dict`` is a collective for a
+low-rank adapter with ``t > 1``: call it on every TP rank, as megatron does). A
+full ``[r, h]`` tensor is also accepted by every layout. Any strategy therefore
+loads any other's checkpoint and computes the same function.
 """
 
 from __future__ import annotations
@@ -41,7 +55,16 @@ from regather.buffers import ScratchPool, default_pool
 from regather.eligibility import AdapterFacts, RunState, unsupported_reason
 from regather.strategies import Strategy
 from regather.strategies.gather import gather_linear_a
-from regather.strategies.regather import regather_linear_a
+from regather.strategies.lowrank import (
+    GRAD_ALLREDUCE_BACKWARD,
+    GRAD_ALLREDUCE_FINALIZE,
+    GRAD_ALLREDUCE_MODES,
+    lowrank_linear_a,
+    replicated_shard,
+    shard_rows,
+)
+from regather.strategies.pregathered import pregathered_linear_a
+from regather.strategies.regather import RegatherSlot, anchor, new_slot, regather_linear_a
 from regather.strategies.wgrad import linear
 
 logger = logging.getLogger("regather")
@@ -91,6 +114,14 @@ def init_weight_(weight: torch.Tensor, method: str) -> torch.Tensor:
     raise ValueError(f"unknown init method {method!r}; expected one of {', '.join(INIT_METHODS)}")
 
 
+@dataclass
+class Plan:
+    """What one forward of an adapter does: the decision, and the regather slot if any."""
+
+    decision: Decision
+    slot: Optional[RegatherSlot] = None
+
+
 class _ShardedWeight(nn.Module):
     """Holds one weight shard, tagged the way megatron tags tensor-parallel parameters."""
 
@@ -126,6 +157,8 @@ class ParallelLinearAdapter(nn.Module):
         activation: str = "identity",
         a2a_experts: bool = False,
         strategy: Strategy | str = Strategy.GATHER,
+        early_regather: bool = True,
+        lowrank_grad_allreduce: str = GRAD_ALLREDUCE_BACKWARD,
         gradient_accumulation_fusion: Optional[bool] = None,
         params_dtype: Optional[torch.dtype] = None,
         device=None,
@@ -140,7 +173,13 @@ class ParallelLinearAdapter(nn.Module):
         self.scale = self.alpha / dim
         self.dropout_position = dropout_position
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
-        self.strategy = Strategy.parse(strategy)
+        self._strategy = Strategy.parse(strategy)
+        self.early_regather = bool(early_regather)
+        if lowrank_grad_allreduce not in GRAD_ALLREDUCE_MODES:
+            raise ValueError(f"lowrank_grad_allreduce must be one of {GRAD_ALLREDUCE_MODES}, "
+                             f"got {lowrank_grad_allreduce!r}")
+        self.lowrank_grad_allreduce = lowrank_grad_allreduce
+        self.tp_size, self.tp_rank = tp, rank
         self.config = config
         self.tp_group = tp_group
         self.column_parallel = column_parallel
@@ -168,10 +207,82 @@ class ParallelLinearAdapter(nn.Module):
         a, b = a.to(params_dtype), b.to(params_dtype)
         self.linear_in = _ShardedWeight(a, 0 if column_parallel else 1, rank, tp)
         self.linear_out = _ShardedWeight(b, 0, rank, tp)
+        if self._wants_replicated(self._strategy):
+            # the full master weight the sharded layouts slice: every strategy starts identical
+            self.linear_in.weight = nn.Parameter(a.contiguous())
+        self._tag_lora_a()
         if device is not None:
             self.to(device)
         self.last_decision: Optional[Decision] = None
         self._logged = False
+        self._register_state_dict_hook(_save_sharded_lora_a)
+        self._register_load_state_dict_pre_hook(_load_lora_a, with_module=True)
+
+    # -- LoRA-A layout -------------------------------------------------------------
+    def _wants_replicated(self, strategy: Strategy) -> bool:
+        return strategy == Strategy.LOWRANK and self.column_parallel and self.tp_size > 1
+
+    @property
+    def replicated_a(self) -> bool:
+        """LoRA-A holds the full ``[r, h]`` on every rank (low-rank strategy)."""
+        return self.linear_in.weight.shape[0] == self.dim and self.column_parallel and self.tp_size > 1
+
+    @property
+    def lowrank_reduce_in_backward(self) -> bool:
+        return self.lowrank_grad_allreduce == GRAD_ALLREDUCE_BACKWARD
+
+    def _tag_lora_a(self) -> None:
+        w = self.linear_in.weight
+        if self.replicated_a:
+            if not self.lowrank_reduce_in_backward and not getattr(self.config, "sequence_parallel", False):
+                raise ValueError(
+                    f"LoRA adapter on {self.facts.base_name!r}: lowrank_grad_allreduce="
+                    f"{GRAD_ALLREDUCE_FINALIZE!r} needs config.sequence_parallel=True (megatron's "
+                    f"finalize_model_grads only sums sequence_parallel-tagged grads then); "
+                    f"config.sequence_parallel is {getattr(self.config, 'sequence_parallel', None)!r}"
+                )
+            w.tensor_model_parallel = False  # replicated: counted once by grad-norm clipping
+            w.partition_dim, w.partition_stride = -1, 1
+            # megatron's finalize_model_grads sums grads of params tagged like this over TP
+            w.sequence_parallel = not self.lowrank_reduce_in_backward
+        else:
+            w.tensor_model_parallel = self.tp_size > 1
+            w.partition_dim = 0 if self.column_parallel else 1
+            w.partition_stride = 1
+            w.sequence_parallel = False
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    @strategy.setter
+    def strategy(self, value) -> None:
+        """Switch strategy; converts LoRA-A between the sharded and replicated layouts
+        (sharded -> replicated all-gathers over TP: call it on every TP rank)."""
+        value = Strategy.parse(value)
+        want = self._wants_replicated(value)
+        if want != self.replicated_a:
+            w = self.linear_in.weight
+            if getattr(w, "main_grad", None) is not None or w.grad is not None:
+                raise RuntimeError(
+                    f"LoRA adapter on {self.facts.base_name!r}: cannot switch {self._strategy.value} -> "
+                    f"{value.value} (LoRA-A layout {tuple(w.shape)} changes) once gradients or main_grad "
+                    "buffers exist; switch before wrapping with DDP / building the optimizer, or go "
+                    "through a state dict"
+                )
+            with torch.no_grad():
+                w.data = self._full_lora_a(w.detach()) if want else w.detach()[self._rows()].clone()
+        self._strategy = value
+        self._tag_lora_a()
+
+    def _rows(self) -> slice:
+        return shard_rows(self.dim, self.tp_rank, self.tp_size)
+
+    def _full_lora_a(self, shard: torch.Tensor) -> torch.Tensor:
+        """All-gather the rank shards ``[r/t, h]`` into ``[r, h]`` (a collective)."""
+        from regather import comm
+
+        return comm.all_gather_seq(shard.contiguous(), self.tp_group)
 
     # -- decisions ---------------------------------------------------------------
     def decide(self) -> Decision:
@@ -213,49 +324,110 @@ class ParallelLinearAdapter(nn.Module):
     def in_features_local(self) -> int:
         return self.linear_in.weight.shape[1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from megatron.core.tensor_parallel import mappings
-
+    def plan(self, x: torch.Tensor) -> tuple[torch.Tensor, Plan]:
+        """Decide this forward's strategy. For regather with early re-gather, also route ``x``
+        through the deferred-``dA`` anchor; a wrapper (``LoRALinear``) calls this *before* its
+        base layer so that ``dA`` waits for the base's dgrad too, and feeds the returned ``x``
+        to both. See :mod:`regather.strategies.regather`."""
         self._check_input(x)
         debug.maybe_check_adapter_input(self, x)  # opt-in: REGATHER_DEBUG_SHAPES=1 / check_shapes
         decision = self.decide()
         self.last_decision = decision
         self._log_fallback(decision)
+        slot = None
+        if decision.used == Strategy.REGATHER and self.early_regather:
+            slot = new_slot(x, self.tp_group, self.pool, early=True)
+            x = anchor(x, self.linear_in.weight, slot)
+        return x, Plan(decision, slot)
+
+    def forward(self, x: torch.Tensor, plan: Optional[Plan] = None, input_gathered: bool = False) -> torch.Tensor:
+        """``input_gathered``: ``x`` is ``[s, b, h]``, already gathered over the sequence by the
+        base layer (TE's gathered LayerNorm output, :mod:`regather.te`); gather path only."""
+        from megatron.core.tensor_parallel import mappings
+
+        if plan is None:
+            x, plan = self.plan(x)
+        decision, slot = plan.decision, plan.slot
+        if input_gathered and not (self.column_parallel and self.sequence_parallel
+                                   and decision.used == Strategy.GATHER):
+            raise ValueError(f"LoRA adapter on {self.facts.base_name!r}: input_gathered=True needs a "
+                             f"column-parallel base with sequence parallelism on the gather path "
+                             f"(this forward uses {decision.used.value})")
         if self.dropout is not None and self.dropout_position == "pre":
             x = self.dropout(x)
         group, fuse = self.tp_group, self.gradient_accumulation_fusion
         a, b = self.linear_in.weight, self.linear_out.weight
+        lowrank = self.column_parallel and self.sequence_parallel and decision.used == Strategy.LOWRANK
+        if self.replicated_a and not lowrank:  # fallback: this rank's rows, grads completed over TP
+            a = replicated_shard(a, self.tp_rank, self.tp_size, group, fuse, self.lowrank_reduce_in_backward)
 
         with accounting.label(accounting.ADAPTER_INPUT):  # what LoRA-A saves is counted apart
-            if self.column_parallel:
+            if lowrank:  # mid is already [s, b, r] and complete
+                mid = lowrank_linear_a(x, a, group, fuse, self.lowrank_reduce_in_backward)
+            elif self.column_parallel:
                 if self.sequence_parallel and decision.used == Strategy.REGATHER:
-                    mid = regather_linear_a(x, a, group, fuse, self.pool or default_pool())
+                    mid = regather_linear_a(x, a, group, fuse, self.pool or default_pool(), slot)
+                elif self.sequence_parallel and input_gathered:  # no second gather
+                    mid = pregathered_linear_a(x, a, fuse)
                 elif self.sequence_parallel:
                     mid = gather_linear_a(x, a, group, fuse)
                 else:  # replicated input: all-reduce its gradient
                     mid = linear(mappings.copy_to_tensor_model_parallel_region(x, group=group), a, fuse)
             else:
                 mid = linear(x, a, fuse)
-        if self.column_parallel:
+        if lowrank:
+            pass
+        elif self.column_parallel:
             mid = mappings.gather_from_tensor_model_parallel_region(mid, group=group)
         else:
             mid = mappings.reduce_from_tensor_model_parallel_region(mid, group=group)
 
         if self._activation is not None:
             mid = self._activation(mid)
-        out = linear(mappings.copy_to_tensor_model_parallel_region(mid, group=group), b, fuse)
+        if not lowrank:  # the sequence reduce-scatter of lowrank already sums dmid over TP
+            mid = mappings.copy_to_tensor_model_parallel_region(mid, group=group)
+        out = linear(mid, b, fuse)
         if not self.column_parallel:
             out = mappings.gather_from_tensor_model_parallel_region(out, group=group)
             if self.sequence_parallel:
                 out = mappings.scatter_to_sequence_parallel_region(out, group=group)
         if self.dropout is not None and self.dropout_position == "post":
             out = self.dropout(out)
-        return out * self.scale
+        out = out * self.scale
+        if slot is not None and out.requires_grad:
+            out.register_hook(slot.on_output_grad)  # early re-gather: start when dout arrives
+        return out
 
     def extra_repr(self) -> str:
         kind = "column" if self.column_parallel else "row"
         return (f"base={self.facts.base_name}, {kind}-parallel, dim={self.dim}, alpha={self.alpha:g}, "
                 f"strategy={self.strategy.value}")
+
+
+_LORA_A = "linear_in.weight"
+
+
+def _save_sharded_lora_a(module: ParallelLinearAdapter, state_dict, prefix, local_metadata):
+    """Write a replicated LoRA-A as this rank's rows (the Bridge layout)."""
+    key = prefix + _LORA_A
+    if module.replicated_a and key in state_dict:
+        state_dict[key] = state_dict[key][module._rows()].clone()
+    return state_dict
+
+
+def _load_lora_a(module: ParallelLinearAdapter, state_dict, prefix, local_metadata, strict,
+                 missing_keys, unexpected_keys, error_msgs):
+    """Convert a stored LoRA-A (rank shard or full ``[r, h]``) to this adapter's layout."""
+    key = prefix + _LORA_A
+    if key not in state_dict or not module.column_parallel or module.tp_size == 1:
+        return
+    stored, r, t = state_dict[key], module.dim, module.tp_size
+    if stored.dim() != 2 or stored.shape[0] not in (r, r // t):
+        return  # let load_state_dict report the size mismatch
+    if module.replicated_a and stored.shape[0] == r // t:
+        state_dict[key] = module._full_lora_a(stored.to(module.linear_in.weight.device))
+    elif not module.replicated_a and stored.shape[0] == r and r != r // t:
+        state_dict[key] = stored[module._rows()].clone()
 
 
 def _group_size_rank(group) -> tuple[int, int]:

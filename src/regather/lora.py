@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from regather import te
 from regather.adapter import ACTIVATIONS, DROPOUT_POSITIONS, INIT_METHODS, Decision, ParallelLinearAdapter
 from regather.strategies import Strategy
 
@@ -36,10 +37,16 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.to_wrap = to_wrap
         self.adapter = adapter
+        self._te_layernorm = te.fuses_layernorm(to_wrap)  # LoRA reads TE's LayerNorm output
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
+        # plan() first: with early re-gather it anchors x so LoRA-A's dA runs after the
+        # base layer's dgrad too (regather.strategies.regather); otherwise x is unchanged.
+        x, plan = self.adapter.plan(x)
+        if self._te_layernorm:  # x is pre-norm: the adapter gets TE's LayerNorm output (regather.te)
+            return te.lora_forward(self.to_wrap, self.adapter, x, plan, *args, **kwargs)
         out, bias = self.to_wrap(x, *args, **kwargs)
-        return out + self.adapter(x), bias
+        return out + self.adapter(x, plan=plan), bias
 
 
 @dataclass
@@ -57,6 +64,15 @@ class LoRA:
     a2a_experts: bool = False
     activation: str = "identity"
     sequence_parallel_input_regather: bool = False
+    # "gather" | "regather" | "lowrank"; None follows sequence_parallel_input_regather.
+    sequence_parallel_input_strategy: Optional[str] = None
+    # regather only: start the backward gather when the adapter's output gradient arrives and
+    # compute dA after the base layer's dgrad (bit-identical; False = plain regather).
+    early_regather: bool = True
+    # lowrank only: where the TP-partial dA of the replicated LoRA-A is summed —
+    # "backward" (inside the library) or "finalize_model_grads" (megatron-core's, via the
+    # parameter's sequence_parallel tag; needs config.sequence_parallel=True).
+    lowrank_grad_allreduce: str = "backward"
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
@@ -73,9 +89,21 @@ class LoRA:
             raise ValueError(f"LoRA(activation={self.activation!r}): expected one of {tuple(ACTIVATIONS)}")
         if isinstance(self.target_modules, str) or isinstance(self.exclude_modules, str):
             raise TypeError("LoRA target_modules / exclude_modules must be lists of names, not a string")
+        if self.sequence_parallel_input_strategy is not None:
+            chosen = Strategy.parse(self.sequence_parallel_input_strategy)
+            if self.sequence_parallel_input_regather and chosen != Strategy.REGATHER:
+                raise ValueError(
+                    f"LoRA(sequence_parallel_input_regather=True, sequence_parallel_input_strategy="
+                    f"{self.sequence_parallel_input_strategy!r}) disagree: set only one of them"
+                )
+        if self.lowrank_grad_allreduce not in ("backward", "finalize_model_grads"):
+            raise ValueError(f"LoRA(lowrank_grad_allreduce={self.lowrank_grad_allreduce!r}): "
+                             "expected 'backward' or 'finalize_model_grads'")
 
     @property
     def strategy(self) -> Strategy:
+        if self.sequence_parallel_input_strategy is not None:
+            return Strategy.parse(self.sequence_parallel_input_strategy)
         return Strategy.REGATHER if self.sequence_parallel_input_regather else Strategy.GATHER
 
     # -- matching ----------------------------------------------------------------
@@ -129,14 +157,16 @@ class LoRA:
         column = _is_column_parallel(base)
         config = getattr(base, "config", None)
         weight = base.weight
+        group = _tp_group(base)
+        in_features, out_features = te.linear_sizes(base, column, _group_size(group))
         adapter = ParallelLinearAdapter(
-            in_features=base.input_size,
-            out_features=base.output_size,
+            in_features=in_features,
+            out_features=out_features,
             dim=self.dim,
             column_parallel=column,
             base_name=path.rsplit(".", 1)[-1],
             config=config,
-            tp_group=_tp_group(base),
+            tp_group=group,
             sequence_parallel=bool(getattr(base, "sequence_parallel", False)),
             is_expert=bool(getattr(base, "is_expert", False)),
             alpha=self.alpha,
@@ -147,6 +177,8 @@ class LoRA:
             activation=self.activation,
             a2a_experts=self.a2a_experts,
             strategy=self.strategy,
+            early_regather=self.early_regather,
+            lowrank_grad_allreduce=self.lowrank_grad_allreduce,
             params_dtype=weight.dtype,
             device=weight.device,
         )
@@ -173,7 +205,15 @@ def set_strategy(model: nn.Module, strategy: Strategy | str) -> None:
 
 
 def _is_column_parallel(module: nn.Module) -> bool:
+    if te.is_te_linear(module) and getattr(module, "parallel_mode", None) in ("column", "row"):
+        return module.parallel_mode == "column"  # TE's own record (TEColumn..., TELayerNormColumn...)
     return "ColumnParallel" in type(module).__name__ or "LayerNormColumn" in type(module).__name__
+
+
+def _group_size(group) -> int:
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group)
 
 
 def _is_parallel_linear(module: nn.Module) -> bool:

@@ -2,6 +2,7 @@
 
 - :mod:`~regather.strategies.gather`   — keep the gathered input (classic path)
 - :mod:`~regather.strategies.regather` — keep the local shard, gather again in backward
+- :mod:`~regather.strategies.lowrank`  — replicated LoRA-A on the local shard, gather rank-r output
 - :mod:`~regather.strategies.wgrad`    — the shared weight-gradient GEMM / main_grad fusion
 """
 
@@ -11,6 +12,7 @@ from enum import Enum
 class Strategy(str, Enum):
     GATHER = "gather"
     REGATHER = "regather"
+    LOWRANK = "lowrank"
 
     @classmethod
     def parse(cls, value) -> "Strategy":

@@ -33,9 +33,41 @@ Backward order, chosen so the gather overlaps compute:
 4. wait for the gather, ``dA_i = dmid_i^T x_full`` (into ``main_grad`` when
    fused), release the scratch buffer;
 5. wait for the reduce-scatter, return ``dX_local``.
+
+Early re-gather (:class:`RegatherSlot`, the default; ``early=False`` keeps the
+order above). Each forward gets its own slot; two hooks move the work so the
+gather overlaps more than LoRA-A's skinny dgrad:
+
+* **early start** — a tensor hook on the adapter *output* fires when its
+  gradient arrives, before LoRA-B's dgrad, the ``dmid`` all-reduce and LoRA-A's
+  dgrad run, and issues the async all-gather of ``x_local`` into a pool lease;
+* **deferred dA** — :class:`DeferredWgrad`, an identity on the input of the
+  wrapped layer (``LoRALinear``) or of the adapter, takes LoRA-A as a second
+  input. Its backward runs only once everything that read that input has
+  produced its input gradient (the frozen base layer's dgrad and
+  reduce-scatter included); there it waits for the gather and computes ``dA``.
+  LoRA-A's gradient edge therefore comes from this node: autograd runs the
+  parameter's grad-accumulator (megatron DDP's grad-ready hook) only after
+  ``dA`` reached ``.grad`` / ``main_grad``.
+
+Order with both: hook issues gather → B dgrad → all-reduce dmid → A dgrad →
+reduce-scatter → base dgrad (+ its reduce-scatter) → wait gather → dA →
+release → grad-ready hooks. GEMMs and their operands are unchanged, so the
+results stay bit-identical to the gather path. Deferral is used only when the
+input requires grad (otherwise nothing would call the anchor's backward); then
+``dA`` is computed in LoRA-A's backward as before. Cost: the backward scratch
+``x_full`` (``s*b*h``) is alive during the base dgrad instead of after it —
+transient, one per adapter in flight, never carried across layers.
+
+The slot holds ``x_local`` (the tensor also saved through
+``save_for_backward``, so no new memory) and checks its version counter before
+gathering, as autograd does for saved tensors. Micro-batches may interleave
+(fwd1 fwd2 bwd2 bwd1): each forward's hook, Functions and lease are its own.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -51,11 +83,84 @@ def _full_shape(x_local: torch.Tensor, t: int):
     return (x_local.shape[0] * t,) + tuple(x_local.shape[1:])
 
 
+class WaitClock:
+    """Seconds the backward spent blocked in ``wait()`` on the x re-gather (for measuring)."""
+
+    def __init__(self):
+        self.enabled, self.seconds, self.calls = False, 0.0, 0
+
+    def wait(self, pending):
+        if not self.enabled:
+            return pending.wait()
+        t0 = time.perf_counter()
+        out = pending.wait()
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+    def reset(self):
+        self.seconds, self.calls = 0.0, 0
+
+
+WAIT_CLOCK = WaitClock()
+
+
+class RegatherSlot:
+    """The backward state of one regather forward: its gather, lease and deferred ``dA``."""
+
+    __slots__ = ("x_local", "version", "group", "pool", "early", "defer",
+                 "lease", "pending", "grad_mid", "weight", "fuse")
+
+    def __init__(self, group, pool: ScratchPool, early: bool, defer: bool):
+        self.group, self.pool, self.early, self.defer = group, pool, early, defer
+        self.x_local = self.version = None
+        self.lease = self.pending = None
+        self.grad_mid = self.weight = self.fuse = None
+
+    def bind(self, x_local: torch.Tensor) -> None:
+        """Called by the forward: the shard to gather in backward."""
+        self.x_local, self.version = x_local, x_local._version
+
+    def on_output_grad(self, grad):
+        """Tensor hook on the adapter output: start the gather now."""
+        if self.x_local is not None:
+            self.start_gather()
+        return None
+
+    def start_gather(self) -> None:
+        if self.pending is not None:
+            return
+        x = self.x_local
+        if x._version != self.version:
+            raise RuntimeError(
+                f"regather: the adapter input was modified in place after forward "
+                f"(version {self.version} -> {x._version}); it is needed for LoRA-A's gradient"
+            )
+        t = comm.world_size(self.group)
+        self.lease = self.pool.acquire(BACKWARD_SCRATCH, _full_shape(x, t), x.dtype, x.device)
+        self.pending = comm.all_gather_seq(x, self.group, out=self.lease.tensor, async_op=True)
+
+    def weight_grad(self, weight, grad_mid, fuse):
+        """Wait for the gather, ``dA = dmid^T x_full``, release the scratch buffer."""
+        self.start_gather()
+        x_full = WAIT_CLOCK.wait(self.pending)
+        grad_w = weight_grad(weight, grad_mid, x_full, fuse)
+        self.lease.release()  # the GEMM above was the last reader
+        self.lease = self.pending = None
+        return grad_w
+
+    def finish_deferred(self):
+        if self.grad_mid is None:
+            return None
+        grad_mid, self.grad_mid = self.grad_mid, None
+        return self.weight_grad(self.weight, grad_mid, self.fuse)
+
+
 class RegatherLinearA(torch.autograd.Function):
     """LoRA-A under SP that saves ``x_local`` and re-gathers it in backward."""
 
     @staticmethod
-    def forward(ctx, x_local, weight, group, fuse, pool):
+    def forward(ctx, x_local, weight, group, fuse, pool, slot):
         t = comm.world_size(group)
         lease = pool.acquire(FORWARD_SCRATCH, _full_shape(x_local, t), x_local.dtype, x_local.device)
         x_full = comm.all_gather_seq(x_local, group, out=lease.tensor)
@@ -63,33 +168,64 @@ class RegatherLinearA(torch.autograd.Function):
         lease.release()  # the GEMM above is the last reader (rule 3 in regather.buffers)
         ctx.save_for_backward(x_local)
         ctx.weight = weight  # a parameter: no new memory (see LinearWithWgrad on why not saved)
-        ctx.group, ctx.fuse, ctx.pool = group, fuse, pool
+        ctx.group, ctx.fuse, ctx.pool, ctx.slot = group, fuse, pool, slot
+        if slot is not None:
+            slot.bind(x_local)
         return mid
 
     @staticmethod
     def backward(ctx, grad_mid):
         (x_local,), weight = ctx.saved_tensors, ctx.weight
-        group, pool = ctx.group, ctx.pool
-        t = comm.world_size(group)
+        group, pool, slot = ctx.group, ctx.pool, ctx.slot
         need_w = ctx.needs_input_grad[1]
-
+        if slot is None:  # plain regather: the gather starts here
+            slot = RegatherSlot(group, pool, early=False, defer=False)
+            slot.bind(x_local)
         if need_w:
-            lease = pool.acquire(BACKWARD_SCRATCH, _full_shape(x_local, t), x_local.dtype, x_local.device)
-            gather = comm.all_gather_seq(x_local, group, out=lease.tensor, async_op=True)
+            slot.start_gather()  # no-op when the output hook already did
         scatter = None
         if ctx.needs_input_grad[0]:
             grad_full = grad_mid.matmul(weight)
             scatter = comm.reduce_scatter_seq(grad_full, group, async_op=True)
         grad_w = None
         if need_w:
-            x_full = gather.wait()
-            grad_w = weight_grad(weight, grad_mid, x_full, ctx.fuse)
-            lease.release()
+            if slot.defer:  # DeferredWgrad's backward computes dA
+                slot.grad_mid, slot.weight, slot.fuse = grad_mid, weight, ctx.fuse
+            else:
+                grad_w = slot.weight_grad(weight, grad_mid, ctx.fuse)
         grad_x = scatter.wait() if scatter is not None else None
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
+
+
+class DeferredWgrad(torch.autograd.Function):
+    """Identity on ``x`` whose backward computes the deferred LoRA-A gradient of ``slot``.
+
+    ``weight`` is an input so that LoRA-A's gradient edge (and its
+    grad-accumulator hooks) runs after this node; nothing is saved.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, slot):
+        ctx.slot = slot
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        return grad_x, ctx.slot.finish_deferred(), None
+
+
+def new_slot(x: torch.Tensor, group, pool: ScratchPool | None, early: bool) -> RegatherSlot:
+    """A slot for one forward; ``dA`` is deferred only when ``x`` requires grad."""
+    return RegatherSlot(group, pool or default_pool(), early=early, defer=early and x.requires_grad)
+
+
+def anchor(x: torch.Tensor, weight: torch.Tensor, slot: RegatherSlot) -> torch.Tensor:
+    """Route ``x`` through :class:`DeferredWgrad` when ``slot`` defers ``dA``."""
+    return DeferredWgrad.apply(x, weight, slot) if slot.defer else x
 
 
 def regather_linear_a(
-    x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bool, pool: ScratchPool | None = None
+    x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bool, pool: ScratchPool | None = None,
+    slot: RegatherSlot | None = None,
 ) -> torch.Tensor:
-    return RegatherLinearA.apply(x_local, weight, group, fuse, pool or default_pool())
+    return RegatherLinearA.apply(x_local, weight, group, fuse, pool or default_pool(), slot)

@@ -1,0 +1,183 @@
+"""The low-rank strategy: replicated LoRA-A on the local shard, gather the rank-r output.
+
+Column-parallel base under sequence parallelism, per rank (``t`` TP size):
+
+=========== ================== ===================== ===============================
+tensor      shape              forward               backward
+=========== ================== ===================== ===============================
+x_local     ``[s/t, b, h]``    input; **saved**      read by ``dA`` (no gather)
+A           ``[r, h]``         replicated weight     ``dA`` summed over TP
+mid_local   ``[s/t, b, r]``    ``x_local A^T``       ``dmid_local`` (reduce-scatter)
+mid         ``[s, b, r]``      all-gather over s     ``dmid`` partial over TP
+=========== ================== ===================== ===============================
+
+Equations (``B_i: [o/t, r]``, ``out_i = scale * mid B_i^T``)::
+
+    mid        = all_gather_s(x_local A^T)
+    dmid_i     = scale * dout_i B_i              partial: sum_i dmid_i = dmid
+    dmid_local = reduce_scatter_s(dmid_i)        the sum is done here, so LoRA-B
+                                                 must NOT all-reduce its input grad
+    dx_local   = dmid_local A                    complete, no communication
+    dA         = all_reduce(dmid_local^T x_local)   each rank sees s/t rows only
+
+Communication added on top of the base layer: forward all-gather ``s*b*r``
+elements, backward reduce-scatter ``s*b*r`` and all-reduce ``r*h`` — against
+the gather path's all-gather and reduce-scatter of ``s*b*h`` each. Saved for
+backward: ``x_local`` (``s*b*h/t``). Numerics: the same maths as the gather
+path, with another summation order (``dA`` is summed over the sequence in two
+halves, ``dx`` is one GEMM over the full rank ``r``).
+
+``dA`` reduction, chosen by ``reduce_dA``:
+
+- ``True`` (default, :data:`GRAD_ALLREDUCE_BACKWARD`): the partial ``dA`` is
+  all-reduced asynchronously inside this backward (overlapping ``dx``'s GEMM),
+  so a plain training loop is correct. With gradient-accumulation fusion the
+  micro-batch's partial is formed in a fp32 temporary, reduced, then added to
+  ``main_grad`` (reducing ``main_grad`` itself would re-sum earlier micro-batches).
+- ``False`` (:data:`GRAD_ALLREDUCE_FINALIZE`): the partial is left in ``.grad``
+  / ``main_grad`` and the parameter is tagged ``sequence_parallel=True``, the
+  tag megatron-core's ``finalize_model_grads`` (``_allreduce_non_tensor_model_
+  parallel_grads``, gated on ``config.sequence_parallel``) uses to sum
+  LayerNorm gradients over TP. One coalesced all-reduce per step instead of one
+  per micro-batch and adapter.
+
+Fallback (ineligible forward, e.g. eval, ``no_grad``, recompute): the gather
+path runs on ``A[rank*r/t:(rank+1)*r/t]`` (:func:`replicated_shard`), bit-exact
+with an adapter holding that shard. Its gradient is zero outside this rank's
+rows; the same reduction completes it (``dA_j + 0`` is exact), so the
+replicated copies stay identical.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from regather import comm
+from regather.strategies.wgrad import weight_grad
+
+GRAD_ALLREDUCE_BACKWARD = "backward"
+GRAD_ALLREDUCE_FINALIZE = "finalize_model_grads"
+GRAD_ALLREDUCE_MODES = (GRAD_ALLREDUCE_BACKWARD, GRAD_ALLREDUCE_FINALIZE)
+
+
+class _PartialGrad:
+    """One micro-batch's TP-partial ``dA`` on its way to ``.grad`` or ``main_grad``."""
+
+    def __init__(self, weight: torch.Tensor, partial: torch.Tensor, group, reduce: bool, into_main: bool):
+        self.weight, self.partial, self.into_main = weight, partial, into_main
+        self.pending = comm.all_reduce_(partial, group, async_op=True) if reduce else None
+
+    def finish(self) -> Optional[torch.Tensor]:
+        if self.pending is not None:
+            self.pending.wait()
+        if not self.into_main:
+            return self.partial.to(self.weight.dtype)
+        self.weight.main_grad.add_(self.partial)
+        if hasattr(self.weight, "grad_added_to_main_grad"):
+            self.weight.grad_added_to_main_grad = True
+        return None
+
+
+def _fused(weight: torch.Tensor, fuse: bool) -> bool:
+    return fuse and getattr(weight, "main_grad", None) is not None
+
+
+def _partial_dA(weight, grad_mid_local, x_local, fuse, reduce: bool) -> tuple[torch.Tensor, bool]:
+    """This rank's ``dmid_local^T x_local``; accumulated straight into ``main_grad`` when it
+    needs no reduction here (finalize mode), else formed in a temporary (fp32 when fused)."""
+    if _fused(weight, fuse):
+        if not reduce:
+            weight_grad(weight, grad_mid_local, x_local, fuse)  # into main_grad, flag set
+            return None, False
+        from regather.ops import wgrad_accumulate_
+
+        buf = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        wgrad_accumulate_(buf, grad_mid_local.reshape(-1, grad_mid_local.shape[-1]),
+                          x_local.reshape(-1, x_local.shape[-1]))
+        return buf, True
+    return weight_grad(weight, grad_mid_local, x_local, False), False
+
+
+class LowRankLinearA(torch.autograd.Function):
+    """``mid = all_gather_s(x_local A^T)`` with ``dA`` summed over the TP group (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, x_local, weight, group, fuse, reduce_dA):
+        mid_local = torch.matmul(x_local, weight.t())
+        mid = comm.all_gather_seq(mid_local, group)
+        ctx.save_for_backward(x_local)
+        ctx.weight = weight  # a parameter: kept on ctx so main_grad survives (see LinearWithWgrad)
+        ctx.group, ctx.fuse, ctx.reduce_dA = group, fuse, reduce_dA
+        return mid
+
+    @staticmethod
+    def backward(ctx, grad_mid):
+        (x_local,), weight, group = ctx.saved_tensors, ctx.weight, ctx.group
+        grad_mid_local = comm.reduce_scatter_seq(grad_mid, group)  # sums the TP partials
+        grad_w = None
+        pending = None
+        if ctx.needs_input_grad[1]:
+            partial, into_main = _partial_dA(weight, grad_mid_local, x_local, ctx.fuse, ctx.reduce_dA)
+            if partial is not None:
+                pending = _PartialGrad(weight, partial, group, ctx.reduce_dA, into_main)
+        grad_x = grad_mid_local.matmul(weight) if ctx.needs_input_grad[0] else None  # overlaps the all-reduce
+        if pending is not None:
+            grad_w = pending.finish()
+        return grad_x, grad_w, None, None, None
+
+
+def lowrank_linear_a(x_local, weight, group, fuse: bool, reduce_dA: bool = True) -> torch.Tensor:
+    """``[s/t, b, h] -> [s, b, r]`` with a replicated ``weight [r, h]``."""
+    return LowRankLinearA.apply(x_local, weight, group, fuse, reduce_dA)
+
+
+def shard_rows(r: int, rank: int, t: int) -> slice:
+    """The rows of a replicated ``[r, h]`` LoRA-A that rank ``rank`` holds in the sharded layout."""
+    if r % t:
+        raise ValueError(f"LoRA rank {r} is not divisible by the tensor-parallel size {t}")
+    n = r // t
+    return slice(rank * n, (rank + 1) * n)
+
+
+class ReplicatedShard(torch.autograd.Function):
+    """``A[rows]`` of a replicated ``A`` for the gather path, with the gradient completed over TP.
+
+    Forward returns a copy of this rank's rows (``r/t * h`` elements). With
+    gradient-accumulation fusion the copy carries a fp32 ``main_grad`` of its
+    own, so the gather path's fused wgrad is the same kernel as for a sharded
+    adapter; backward scatters it into a zero ``[r, h]`` and hands it to the
+    same reduction as :class:`LowRankLinearA`.
+    """
+
+    @staticmethod
+    def forward(ctx, weight, rank, t, group, fuse, reduce_dA):
+        rows = shard_rows(weight.shape[0], rank, t)
+        shard = weight[rows].clone()
+        if _fused(weight, fuse) and torch.is_grad_enabled():
+            shard.main_grad = torch.zeros(shard.shape, dtype=torch.float32, device=shard.device)
+            if hasattr(weight, "grad_added_to_main_grad"):
+                shard.grad_added_to_main_grad = False
+        ctx.weight, ctx.shard, ctx.rows = weight, shard, rows
+        ctx.group, ctx.fuse, ctx.reduce_dA = group, fuse, reduce_dA
+        return shard
+
+    @staticmethod
+    def backward(ctx, grad_shard):
+        weight, shard = ctx.weight, ctx.shard
+        fused = getattr(shard, "main_grad", None) is not None
+        part = shard.main_grad if fused else grad_shard
+        if fused and not ctx.reduce_dA:  # finalize mode: leave the zero-padded partial in main_grad
+            weight.main_grad[ctx.rows].add_(part)
+            if hasattr(weight, "grad_added_to_main_grad"):
+                weight.grad_added_to_main_grad = True
+            return None, None, None, None, None, None
+        full = torch.zeros(weight.shape, dtype=part.dtype, device=part.device)
+        full[ctx.rows] = part
+        grad_w = _PartialGrad(weight, full, ctx.group, ctx.reduce_dA, fused).finish()
+        return grad_w, None, None, None, None, None
+
+
+def replicated_shard(weight, rank: int, t: int, group, fuse: bool, reduce_dA: bool = True):
+    return ReplicatedShard.apply(weight, rank, t, group, fuse, reduce_dA)
