@@ -155,7 +155,7 @@ class ReplicatedShard(torch.autograd.Function):
     def forward(ctx, weight, rank, t, group, fuse, reduce_dA):
         rows = shard_rows(weight.shape[0], rank, t)
         shard = weight[rows].clone()
-        if _fused(weight, fuse) and torch.is_grad_enabled():
+        if _fused(weight, fuse):  # (fuse is False under no_grad: see replicated_shard)
             shard.main_grad = torch.zeros(shard.shape, dtype=torch.float32, device=shard.device)
             if hasattr(weight, "grad_added_to_main_grad"):
                 shard.grad_added_to_main_grad = False
@@ -180,4 +180,5 @@ class ReplicatedShard(torch.autograd.Function):
 
 
 def replicated_shard(weight, rank: int, t: int, group, fuse: bool, reduce_dA: bool = True):
-    return ReplicatedShard.apply(weight, rank, t, group, fuse, reduce_dA)
+    # grad mode is off inside Function.forward: decide here whether a main_grad buffer is needed
+    return ReplicatedShard.apply(weight, rank, t, group, fuse and torch.is_grad_enabled(), reduce_dA)
