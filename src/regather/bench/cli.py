@@ -54,6 +54,8 @@ def register(subparsers) -> None:
     g.add_argument("--timeout", type=float, default=d.timeout, help="seconds before the ranks are killed")
     g.add_argument("--out", metavar="DIR", help="write bench.json, bench.md and bench.png here")
     g.add_argument("--quiet", action="store_true", help="no progress line")
+    g.add_argument("--render", metavar="JSON", help="run nothing: print and re-write (with --out) the reports "
+                   "of an earlier bench.json")
     p.set_defaults(func=main)
 
 
@@ -71,6 +73,15 @@ def spec_from_args(args) -> BenchSpec:
 def main(args) -> int:
     from regather.bench import report, runner
 
+    if args.render:
+        import json
+
+        with open(args.render) as f:
+            summary = json.load(f)
+        print(report.text_table(summary))
+        for path in report.write(summary, args.out) if args.out else ():
+            print(f"wrote {path}")
+        return 0
     spec = spec_from_args(args)
     summary = runner.run(spec)
     summary["command"] = report.command_line(summary["spec"], args.out)

@@ -36,6 +36,7 @@ def environment() -> dict:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
+        "git": _git_revision(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "gpu": gpu,
@@ -44,6 +45,21 @@ def environment() -> dict:
         "megatron_core": megatron,
         "platform": platform.platform(),
     }
+
+
+def _git_revision() -> str:
+    """The checkout's commit, with ``+dirty`` when src/ has uncommitted changes."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=os.path.dirname(here),
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (rev or "unknown") + ("+dirty" if dirty else "")
 
 
 def command_line(spec: dict, out: Optional[str] = None) -> str:
@@ -69,10 +85,17 @@ def _comm(row: dict, key: str) -> str:
     return ", ".join(parts) or "0"
 
 
+def ordered(summary: dict) -> list[tuple[str, dict]]:
+    """``(name, row)`` in the order the run listed the strategies (gather first)."""
+    rows_ = summary["strategies"]
+    names = [n for n in summary["spec"].get("strategies", ()) if n in rows_]
+    return [(n, rows_[n]) for n in names + [n for n in rows_ if n not in names]]
+
+
 def rows(summary: dict) -> list[list[str]]:
     """One list of cells per strategy (shared by the terminal and markdown tables)."""
     out = []
-    for name, r in summary["strategies"].items():
+    for name, r in ordered(summary):
         out.append([
             name,
             _mb(r["saved_bytes"]),
@@ -90,7 +113,7 @@ def rows(summary: dict) -> list[list[str]]:
 
 
 HEADER = ["strategy", "retained MiB", "adapter-input MiB", "comm MiB/step", "extra comm vs gather (MiB)",
-          "median step ms", "x gather", "x gather (paired)", "max |dloss|", "max |dgrad| (rel)", "adapters"]
+          "median step ms", "x gather", "x gather (paired)", "max Δloss", "max Δgrad (rel)", "adapters"]
 
 
 def text_table(summary: dict) -> str:
@@ -121,7 +144,8 @@ def markdown(summary: dict) -> str:
         "",
         f"- command: `{summary['command']}`",
         f"- hardware: {hw}; backend {summary['backend']}, {spec['tp']} ranks",
-        f"- software: Python {env['python']}, torch {env['torch']}, megatron-core {env['megatron_core']}",
+        f"- software: Python {env['python']}, torch {env['torch']}, megatron-core {env['megatron_core']}, "
+        f"regather {env.get('git', 'unknown')}",
         f"- model/run: {_spec_line(spec)}",
         f"- wall time: {summary['wall_seconds']:.0f} s",
         "",
@@ -151,8 +175,8 @@ def chart(summary: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(summary["strategies"])
-    rs = [summary["strategies"][n] for n in names]
+    names = [n for n, _ in ordered(summary)]
+    rs = [r for _, r in ordered(summary)]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     adapter = [r["saved_adapter_input_bytes"] / 2**20 for r in rs]
     other = [(r["saved_bytes"] - r["saved_adapter_input_bytes"]) / 2**20 for r in rs]
@@ -188,7 +212,7 @@ def write(summary: dict, out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, n) for n in ("bench.json", "bench.md", "bench.png")]
     with open(paths[0], "w") as f:
-        json.dump(summary, f, indent=1, sort_keys=True)
+        json.dump(summary, f, indent=1)
     with open(paths[1], "w") as f:
         f.write(markdown(summary))
     chart(summary, paths[2])
