@@ -227,22 +227,23 @@ def edge_cases(backends: list[str]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------
-# comm-stream overlap trace  -- PLACEHOLDER for the core engineer
+# comm-stream overlap trace (benchmarks/gpu/overlap.py)
 # ----------------------------------------------------------------------------
 
 
-def profile_comm_overlap(out_dir: str) -> dict:
-    """PLACEHOLDER -- not implemented; to be written with ``regather.comm``.
+def profile_comm_overlap(out_dir: str, mode: str = "copy") -> dict:
+    """Trace regather's backward gather on the comm stream against the dgrad GEMMs.
 
-    Intended: a ``torch.profiler`` trace (chrome JSON into ``out_dir``) of one
-    regather backward on a single GPU with a fake 2-rank process group, showing
-    the all-gather of ``x_local`` on the communication stream overlapping the
-    dgrad GEMMs on the compute stream, and the ``wgrad_accumulate_`` call
-    waiting on the gather event (design.md section 4). It depends on
-    ``regather.comm`` / ``regather.strategies``, which did not exist when this
-    script was written, so it reports ``not_implemented`` rather than a trace.
+    See ``overlap.py`` beside this file: one GPU, the gather stood in for by a
+    device copy (``copy``) or a 1-rank NCCL all-gather (``nccl``), launched
+    through ``regather.comm``; chrome trace ``overlap_trace.json`` in ``out_dir``
+    and the overlap fraction computed from its kernel timestamps. Under
+    ``--cpu-dry-run`` it runs the code path on CPU without a trace.
     """
-    return {"status": "not_implemented", "reason": "needs regather.comm (core); see profile_comm_overlap docstring"}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from overlap import profile_comm_overlap as run
+
+    return run(out_dir, mode=mode, dry_run=DEV != "cuda")
 
 
 # ----------------------------------------------------------------------------
@@ -273,7 +274,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sweep-seconds", type=float, default=120.0, help="time budget for the Triton config sweep")
     ap.add_argument("--budget-seconds", type=float, default=420.0, help="whole-run budget; the sweep stops before it")
-    ap.add_argument("--overlap-trace", action="store_true", help="run the (placeholder) comm-overlap trace")
+    ap.add_argument("--overlap-trace", action="store_true", help="record the comm-stream overlap trace (overlap.py)")
+    ap.add_argument("--overlap-mode", choices=("copy", "nccl"), default="copy",
+                    help="stand-in for the gather on one GPU: device copy or 1-rank NCCL all-gather")
     ap.add_argument(
         "--cpu-dry-run",
         action="store_true",
@@ -366,7 +369,7 @@ def main() -> int:
         del go, x, mg0, ref
         sync(empty_cache=True)
 
-    result["overlap_trace"] = profile_comm_overlap(args.out) if args.overlap_trace else {"status": "skipped"}
+    result["overlap_trace"] = profile_comm_overlap(args.out, args.overlap_mode) if args.overlap_trace else {"status": "skipped"}
     write_outputs(result, args.out, t_start)  # now, in case the sweep is cut short
 
     # small Triton config sweep, time-boxed (guides the heuristic in choose_config)

@@ -10,8 +10,11 @@
 #      setup.py build_ext --inplace); a failed build is recorded, not fatal;
 #   2. benchmarks/gpu/bench_wgrad.py: correctness vs an fp64 reference and
 #      CUDA-event medians vs torch for r in {8,16,64}, h in {4096,8192},
-#      K in {8192,32768}, bf16; a time-boxed Triton config sweep.
-# Results: kernels.json, kernels.md, ext_build.log, bench.log in $OUT, or in
+#      K in {8192,32768}, bf16; a time-boxed Triton config sweep;
+#   3. (same script, --overlap-trace) a torch.profiler chrome trace of the regather
+#      backward gather on regather.comm's comm stream against the dgrad GEMMs,
+#      with the overlap fraction computed from kernel timestamps (overlap.py).
+# Results: kernels.json, kernels.md, overlap_trace.json, ext_build.log, bench.log in $OUT, or in
 # benchmarks/results/gpu/ when OUT is unset. Exit status: the benchmark's
 # (non-zero when a correctness check failed).
 set -uo pipefail
@@ -60,7 +63,7 @@ echo "extension build: $EXT_BUILD (log: $BUILD_LOG)"
 BENCH_S=$(left)
 [ "$BENCH_S" -lt 90 ] && BENCH_S=90
 timeout "$BENCH_S" "$PY" benchmarks/gpu/bench_wgrad.py --out "$OUT_DIR" --ext-build "$EXT_BUILD" \
-  --command "$CMD" --budget-seconds "$((BENCH_S - 15))" "$@" 2>&1 | tee "$OUT_DIR/bench.log"
+  --command "$CMD" --budget-seconds "$((BENCH_S - 15))" --overlap-trace "$@" 2>&1 | tee "$OUT_DIR/bench.log"
 rc=${PIPESTATUS[0]}
 echo "kernels.sh: bench exit $rc, total $(( $(date +%s) - t0 )) s; results in $OUT_DIR"
 exit "$rc"
