@@ -6,7 +6,8 @@ Every strategy computes ``dW = dY^T @ X`` (``dY: [K, out]``, ``X: [K, in]``,
 makes regather bit-identical to the gather path.
 
 With gradient-accumulation fusion (megatron's ``gradient_accumulation_fusion``)
-and a parameter that carries an fp32 ``main_grad``, the product is accumulated
+and a parameter that carries a ``main_grad`` (fp32, or bf16/fp16 with megatron's
+``grad_reduce_in_fp32=False``: fp32 product, one rounding), the product is accumulated
 into ``main_grad`` by :func:`regather.ops.wgrad_accumulate_`, the parameter's
 ``grad_added_to_main_grad`` flag is set when it exists (megatron DDP's
 convention), and ``None`` is returned so ``.grad`` stays None. Autograd still
