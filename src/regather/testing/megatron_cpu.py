@@ -6,7 +6,8 @@ megatron-core assumes CUDA in three places that matter for a small TP+SP GPT
 1. ``torch.cuda.current_device()`` returns ``"cpu"``: megatron allocates its
    communication outputs and scratch buffers with ``device=current_device()``.
 2. The model-parallel RNG tracker keeps CPU generator states instead of CUDA
-   ones (dropout always forks the tracker, even at p=0).
+   ones (dropout always forks the tracker, even at p=0), and activation
+   recompute saves/restores the CPU generator where it would use the CUDA one.
 3. ``WrappedTorchNorm`` (the local spec's LayerNorm) refuses sequence
    parallelism. We build it with SP off and tag its parameters
    ``sequence_parallel=True``; their gradients are TP-partial, and
@@ -70,6 +71,10 @@ def _patch_rng_tracker() -> None:
 
     mrandom.CudaRNGStatesTracker.add = add
     mrandom.CudaRNGStatesTracker.fork = fork
+    # Activation checkpointing (recompute) saves and restores the "CUDA" generator state
+    # through these two helpers (0.16 and 0.19); on CPU that generator is the CPU one.
+    mrandom._get_cuda_rng_state = lambda device=None, clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     # model_parallel_cuda_manual_seed seeds the CUDA default generator first.
     _orig_seed = mrandom.model_parallel_cuda_manual_seed
 
