@@ -15,7 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -73,6 +73,9 @@ def _use_nccl(rank: int, world_size: int, init_file: str):
     import torch
     import torch.distributed as dist
 
+    from regather.testing.megatron_cpu import _patch_torch_norm
+
+    _patch_torch_norm()  # without apex/TE the local spec's torch norm refuses SP (design.md §6)
     torch.cuda.set_device(rank)
     dist.destroy_process_group()
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
