@@ -64,7 +64,13 @@ from regather.strategies.lowrank import (
     shard_rows,
 )
 from regather.strategies.pregathered import pregathered_linear_a
-from regather.strategies.regather import RegatherSlot, anchor, new_slot, regather_linear_a
+from regather.strategies.regather import (
+    RegatherSlot,
+    anchor,
+    new_slot,
+    regather_linear_a,
+    regather_shared_linear_a,
+)
 from regather.strategies.wgrad import linear
 
 logger = logging.getLogger("regather")
@@ -340,14 +346,32 @@ class ParallelLinearAdapter(nn.Module):
             x = anchor(x, self.linear_in.weight, slot)
         return x, Plan(decision, slot)
 
-    def forward(self, x: torch.Tensor, plan: Optional[Plan] = None, input_gathered: bool = False) -> torch.Tensor:
+    def shares_input_gather(self, plan: Plan) -> bool:
+        """Whether this forward's LoRA-A reads the full input (gather/regather, column-parallel,
+        SP) computed from the same tensor as the base layer (no "pre" dropout), so a wrapper may
+        gather it once for both (``LoRA(share_sequence_gather=True)``)."""
+        return (self.column_parallel and self.sequence_parallel
+                and plan.decision.used in (Strategy.GATHER, Strategy.REGATHER)
+                and not (self.dropout is not None and self.dropout_position == "pre"))
+
+    def forward(self, x: torch.Tensor, plan: Optional[Plan] = None, input_gathered: bool = False,
+                x_full: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``input_gathered``: ``x`` is ``[s, b, h]``, already gathered over the sequence by the
-        base layer (TE's gathered LayerNorm output, :mod:`regather.te`); gather path only."""
+        base layer (TE's gathered LayerNorm output, :mod:`regather.te`); gather path only.
+
+        ``x_full``: ``all_gather_seq(x)`` made by the caller for the base layer too, whose
+        backward reduce-scatters (megatron's ``gather_from_sequence_parallel_region``). LoRA-A
+        computes on it and returns its *partial* input gradient to it (one reduce-scatter for
+        base + adapter); regather still saves only ``x`` and re-gathers it for ``dA``. Only
+        when :meth:`shares_input_gather` holds."""
         from megatron.core.tensor_parallel import mappings
 
         if plan is None:
             x, plan = self.plan(x)
         decision, slot = plan.decision, plan.slot
+        if x_full is not None and not self.shares_input_gather(plan):
+            raise ValueError(f"LoRA adapter on {self.facts.base_name!r}: a shared x_full was given, "
+                             f"but this forward ({decision}) cannot use one")
         if input_gathered and not (self.column_parallel and self.sequence_parallel
                                    and decision.used == Strategy.GATHER):
             raise ValueError(f"LoRA adapter on {self.facts.base_name!r}: input_gathered=True needs a "
@@ -365,7 +389,11 @@ class ParallelLinearAdapter(nn.Module):
             if lowrank:  # mid is already [s, b, r] and complete
                 mid = lowrank_linear_a(x, a, group, fuse, self.lowrank_reduce_in_backward)
             elif self.column_parallel:
-                if self.sequence_parallel and decision.used == Strategy.REGATHER:
+                if x_full is not None and decision.used == Strategy.REGATHER:
+                    mid = regather_shared_linear_a(x_full, x, a, group, fuse, self.pool or default_pool(), slot)
+                elif x_full is not None:  # gather path on the shared input
+                    mid = pregathered_linear_a(x_full, a, fuse)
+                elif self.sequence_parallel and decision.used == Strategy.REGATHER:
                     mid = regather_linear_a(x, a, group, fuse, self.pool or default_pool(), slot)
                 elif self.sequence_parallel and input_gathered:  # no second gather
                     mid = pregathered_linear_a(x, a, fuse)

@@ -38,6 +38,12 @@ class LoRALinear(nn.Module):
         self.to_wrap = to_wrap
         self.adapter = adapter
         self._te_layernorm = te.fuses_layernorm(to_wrap)  # LoRA reads TE's LayerNorm output
+        # One sequence all-gather (forward) and one reduce-scatter (backward) for base + adapter
+        # on a frozen megatron ColumnParallelLinear; see _shared_gather_forward. Off by default:
+        # it changes the summation order of the input gradient (dX_base + dX_adapter, then one
+        # reduce-scatter) against the unshared path; gather and regather stay bit-identical
+        # to each other when both share.
+        self.share_sequence_gather = False
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         # plan() first: with early re-gather it anchors x so LoRA-A's dA runs after the
@@ -45,8 +51,44 @@ class LoRALinear(nn.Module):
         x, plan = self.adapter.plan(x)
         if self._te_layernorm:  # x is pre-norm: the adapter gets TE's LayerNorm output (regather.te)
             return te.lora_forward(self.to_wrap, self.adapter, x, plan, *args, **kwargs)
+        if self.share_sequence_gather and self._can_share(plan):
+            return self._shared_gather_forward(x, plan, *args, **kwargs)
         out, bias = self.to_wrap(x, *args, **kwargs)
         return out + self.adapter(x, plan=plan), bias
+
+    def _can_share(self, plan) -> bool:
+        base = self.to_wrap
+        return (type(base).__name__ == "ColumnParallelLinear" and self.adapter.shares_input_gather(plan)
+                and base.weight is not None and not base.weight.requires_grad
+                and getattr(base, "sequence_parallel", False) and not getattr(base, "gather_output", False)
+                and not getattr(base, "explicit_expert_comm", False)
+                and not getattr(base.config, "defer_embedding_wgrad_compute", False))
+
+    def _shared_gather_forward(self, x, plan, *args, **kwargs):
+        """Gather ``x`` once; the frozen base runs on it with its own SP communication off
+        (megatron's frozen-weight path then keeps no input: it saves only the weight) and the
+        adapter reads the same tensor. Backward: both partial input gradients meet at the
+        gather, whose backward reduce-scatters their sum once.
+
+        ========================= ============================ ===========================
+        per eligible adapter      unshared                     shared
+        ========================= ============================ ===========================
+        forward all-gather of x   2 (base + adapter)           1
+        backward reduce-scatter   2                            1
+        saved for backward        unchanged (x_full on gather, x_local on regather)
+        ========================= ============================ ===========================
+        """
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        base = self.to_wrap
+        x_full = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=base.tp_group)
+        saved = base.sequence_parallel, base.allreduce_dgrad, base.disable_grad_reduce
+        base.sequence_parallel, base.allreduce_dgrad, base.disable_grad_reduce = False, False, True
+        try:  # input used as is, no dgrad reduction: the shared gather's backward does it
+            out, bias = base(x_full, *args, **kwargs)
+        finally:
+            base.sequence_parallel, base.allreduce_dgrad, base.disable_grad_reduce = saved
+        return out + self.adapter(x, plan=plan, x_full=x_full), bias
 
 
 @dataclass
@@ -73,6 +115,9 @@ class LoRA:
     # "backward" (inside the library) or "finalize_model_grads" (megatron-core's, via the
     # parameter's sequence_parallel tag; needs config.sequence_parallel=True).
     lowrank_grad_allreduce: str = "backward"
+    # gather the input of a frozen ColumnParallelLinear once for base and adapter
+    # (LoRALinear.share_sequence_gather); opt-in, see there.
+    share_sequence_gather: bool = False
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
@@ -148,7 +193,9 @@ class LoRA:
         for (path, module), (_, adapter) in zip(selected, adapters):
             parent_path, _, attr = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
-            setattr(parent, attr, LoRALinear(module, adapter))
+            wrapped = LoRALinear(module, adapter)
+            wrapped.share_sequence_gather = self.share_sequence_gather
+            setattr(parent, attr, wrapped)
         _install_sequence_check(model)
         model.train(training)
         return model

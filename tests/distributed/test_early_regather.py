@@ -86,3 +86,33 @@ def test_gpt_losses_and_grads_bit_exact():
             assert gpt["gather"]["grads"].keys() == gpt[v]["grads"].keys()
             for name, g in gpt["gather"]["grads"].items():
                 same(g, gpt[v]["grads"][name], f"rank {rank} {v} {name}")
+
+
+def test_shared_sequence_gather_bit_exact_and_saves_one_gather_and_one_reduce_scatter():
+    for rank, res in enumerate(suite()):
+        gpt = res["gpt"]
+        s, b, h, layers = gpt["shape"]
+        base = gpt["gather_shared"]
+        for v in ("plain_shared", "early_shared"):  # both sides share: numerics match bit for bit
+            for step, (lg, lv) in enumerate(zip(base["losses"], gpt[v]["losses"])):
+                same(lg, lv, f"rank {rank} {v} loss step {step}")
+            for name, g in base["grads"].items():
+                same(g, gpt[v]["grads"][name], f"rank {rank} {v} {name}")
+        # against the unshared path only the input-gradient summation order differs
+        torch.testing.assert_close(base["losses"][-1], gpt["gather"]["losses"][-1], rtol=1e-5, atol=0)
+        # counted bytes: per eligible adapter (linear_qkv, linear_fc1 per layer) one all-gather
+        # of x in forward and one reduce-scatter in backward fewer, s*b*h*(t-1)/t fp32 each
+        x_bytes = s * b * h * 4 * (T - 1) // T
+        n = 2 * layers
+        for v in ("gather", "plain", "early"):
+            un, sh = gpt[v]["comm"], gpt[v + "_shared"]["comm"]
+            assert un["forward"]["all_gather"] - sh["forward"]["all_gather"] == n * x_bytes, v
+            # layer 0's linear_qkv input (norm of the frozen embedding) needs no gradient:
+            # neither path reduce-scatters there
+            assert un["backward"]["reduce_scatter"] - sh["backward"]["reduce_scatter"] == (n - 1) * x_bytes, v
+            assert un["backward"].get("all_gather", 0) == sh["backward"].get("all_gather", 0), v
+            assert gpt[v]["saved"] == gpt[v + "_shared"]["saved"], f"{v}: retained bytes unchanged"
+        # regather keeps x_local instead of x_full for each eligible adapter (the row-parallel
+        # adapters' inputs are counted under the same label on both)
+        saving = gpt["gather_shared"]["saved"]["adapter_input"] - gpt["plain_shared"]["saved"]["adapter_input"]
+        assert saving == n * s * b * h * 4 * (T - 1) // T

@@ -134,33 +134,43 @@ def adapter_suite(rank, t):
 
 
 def gpt_suite(rank, t, steps=2):
-    """A real megatron-core GPT (local spec, TP=2+SP): LoRA losses and grads per variant."""
+    """A real megatron-core GPT (local spec, TP=2+SP): LoRA losses and grads per variant,
+    unshared and with one sequence gather for base + adapter (``share_sequence_gather``)."""
     from regather import LoRA
+    from regather.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
+    from regather.lora import decisions
     from regather.testing.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
 
     enable_megatron_cpu()
     shape = TinyGPT()
     res = {}
-    for variant, (strategy, early) in VARIANTS.items():
-        model = build_gpt(shape, tp=t)
-        LoRA(dim=8, alpha=16, lora_B_init_method="normal", sequence_parallel_input_strategy=strategy.value,
-             early_regather=early)(model)
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        losses, grads = [], None
-        for step in range(steps):
-            for _, p in params:
-                p.grad = None
-            loss = gpt_loss(model, gpt_batch(shape, 2, seed=step))
-            loss.backward()
-            losses.append(loss.detach())
-            grads = {n: p.grad.clone() for n, p in params}
-            with torch.no_grad():
+    for share in (False, True):
+        for variant, (strategy, early) in VARIANTS.items():
+            model = build_gpt(shape, tp=t)
+            LoRA(dim=8, alpha=16, lora_B_init_method="normal", sequence_parallel_input_strategy=strategy.value,
+                 early_regather=early, share_sequence_gather=share)(model)
+            params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            losses, grads, comm, saved = [], None, None, None
+            for step in range(steps):
                 for _, p in params:
-                    p.sub_(0.05 * p.grad)
-        from regather.lora import decisions
-
-        res[variant] = {"losses": losses, "grads": grads,
-                        "used": sorted({d.used.value for d in decisions(model).values()})}
+                    p.grad = None
+                batch = gpt_batch(shape, 2, seed=step)
+                with CollectiveBytes() as fwd, SavedBytes.for_model(model) as sv:
+                    loss = gpt_loss(model, batch)
+                with CollectiveBytes() as bwd:
+                    loss.backward()
+                if step == 0:
+                    comm = {"forward": fwd.snapshot(), "backward": bwd.snapshot()}
+                    saved = {"adapter_input": sv.of(ADAPTER_INPUT), "total": sv.total}
+                losses.append(loss.detach())
+                grads = {n: p.grad.clone() for n, p in params}
+                with torch.no_grad():
+                    for _, p in params:
+                        p.sub_(0.05 * p.grad)
+            name = variant + ("_shared" if share else "")
+            res[name] = {"losses": losses, "grads": grads, "comm": comm, "saved": saved,
+                         "used": sorted({d.used.value for d in decisions(model).values()})}
+    res["shape"] = (shape.seq_length, 2, shape.hidden_size, shape.num_layers)
     return res
 
 

@@ -197,6 +197,45 @@ class RegatherLinearA(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None
 
 
+class RegatherSharedLinearA(torch.autograd.Function):
+    """Regather LoRA-A fed an ``x_full`` gathered once for the base layer and the adapter.
+
+    ``mid_i = x_full A_i^T`` (the same GEMM as :class:`RegatherLinearA`); saves ``x_local``
+    only. Backward returns the *partial* ``dX_full = dmid_i A_i`` for ``x_full``: the
+    shared gather's backward sums it with the base layer's and reduce-scatters once.
+    ``dA`` re-gathers ``x_local`` exactly as above (slot: early / deferred).
+    """
+
+    @staticmethod
+    def forward(ctx, x_full, x_local, weight, group, fuse, pool, slot):
+        mid = torch.matmul(x_full, weight.t())
+        ctx.save_for_backward(x_local)
+        ctx.weight = weight
+        ctx.group, ctx.fuse, ctx.pool, ctx.slot = group, fuse, pool, slot
+        if slot is not None:
+            slot.bind(x_local)
+        return mid
+
+    @staticmethod
+    def backward(ctx, grad_mid):
+        (x_local,), weight = ctx.saved_tensors, ctx.weight
+        slot = ctx.slot
+        if slot is None:
+            slot = RegatherSlot(ctx.group, ctx.pool, early=False, defer=False)
+            slot.bind(x_local)
+        need_w = ctx.needs_input_grad[2]
+        if need_w:
+            slot.start_gather()
+        grad_full = grad_mid.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if need_w:
+            if slot.defer:
+                slot.grad_mid, slot.weight, slot.fuse = grad_mid, weight, ctx.fuse
+            else:
+                grad_w = slot.weight_grad(weight, grad_mid, ctx.fuse)
+        return grad_full, None, grad_w, None, None, None, None
+
+
 class DeferredWgrad(torch.autograd.Function):
     """Identity on ``x`` whose backward computes the deferred LoRA-A gradient of ``slot``.
 
@@ -229,3 +268,10 @@ def regather_linear_a(
     slot: RegatherSlot | None = None,
 ) -> torch.Tensor:
     return RegatherLinearA.apply(x_local, weight, group, fuse, pool or default_pool(), slot)
+
+
+def regather_shared_linear_a(
+    x_full: torch.Tensor, x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bool,
+    pool: ScratchPool | None = None, slot: RegatherSlot | None = None,
+) -> torch.Tensor:
+    return RegatherSharedLinearA.apply(x_full, x_local, weight, group, fuse, pool or default_pool(), slot)
