@@ -1,0 +1,117 @@
+"""`regather doctor`: one test per finding (pure functions over an env dict and a Setup)."""
+
+import json
+
+import pytest
+
+from regather import doctor
+from regather.doctor import Setup, diagnose, env_findings
+
+GOOD_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def codes(findings, level=None):
+    return [f.code for f in findings if level is None or f.level == level]
+
+
+def test_clean_setup_has_no_env_findings():
+    assert env_findings(GOOD_ENV, Setup()) == []
+
+
+@pytest.mark.parametrize("env", [{}, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"},
+                                 {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}])
+def test_alloc_conf_without_expandable_segments(env):
+    (f,) = env_findings(env, Setup())
+    assert f.code == "alloc-conf" and f.level == "warning"
+    assert "expandable_segments:True" in f.fix and repr(env.get("PYTORCH_CUDA_ALLOC_CONF")) in f.message
+
+
+def test_newer_alloc_conf_spelling_and_other_keys():
+    env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}
+    assert env_findings(env, Setup()) == []
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_expandable_segments_with_nccl_ub(how):
+    env = dict(GOOD_ENV, **({"NCCL_UB": "1"} if how == "env" else {}))
+    (f,) = env_findings(env, Setup(use_nccl_ub=how == "flag"))
+    assert f.code == "nccl-ub" and f.level == "error" and "--use-nccl-ub" in f.fix
+
+
+def test_nccl_ub_without_expandable_segments_is_fine():
+    assert env_findings({}, Setup(use_nccl_ub=True)) == []
+
+
+@pytest.mark.parametrize("value,bad", [(None, True), ("1", True), ("0", False)])
+def test_cuda_graphs_with_expandable_segments_need_graph_register_off(value, bad):
+    env = dict(GOOD_ENV, **({"NCCL_GRAPH_REGISTER": value} if value is not None else {}))
+    found = env_findings(env, Setup(cuda_graphs=True))
+    assert codes(found) == (["cuda-graph-register"] if bad else [])
+    if bad:
+        assert found[0].fix == "export NCCL_GRAPH_REGISTER=0" and repr(value) in found[0].message
+
+
+def test_cpu_offloading_with_pipeline_parallelism():
+    (f,) = env_findings(GOOD_ENV, Setup(cpu_offloading=True, pp=4))
+    assert f.code == "cpu-offload-pp" and f.level == "error" and "pipeline_model_parallel_size=4" in f.message
+    assert env_findings(GOOD_ENV, Setup(cpu_offloading=True, pp=1)) == []
+
+
+def test_adapter_decisions_and_saving():
+    s = Setup(layers=2, hidden=64, seq=32, micro_batch=2, tp=2, dtype="bfloat16")
+    found = diagnose(GOOD_ENV, s)
+    adapters = [f for f in found if f.code == "adapter"]
+    assert len(adapters) == 8
+    local = [f for f in adapters if f.message.endswith(": regather")]
+    assert sorted(f.message.split(":")[0].rsplit(".", 1)[-1] for f in local) == ["linear_fc1", "linear_fc1",
+                                                                                 "linear_qkv", "linear_qkv"]
+    row = [f for f in adapters if "row-parallel" in f.message]
+    assert len(row) == 4 and all(f.level == "info" for f in row)  # by design: not a warning
+    (saving,) = [f for f in found if f.code == "saving"]
+    per = 32 * 2 * 64 * 2 // 2  # s*b*h*e*(t-1)/t
+    assert f"{4 * per:,} bytes" in saving.message and f"4 re-gathering adapter(s) x {per:,}" in saving.message
+
+
+def test_selective_mlp_recompute_falls_back_with_a_fix():
+    s = Setup(recompute_granularity="selective", recompute_modules=("core_attn", "mlp"))
+    found = [f for f in diagnose(GOOD_ENV, s) if f.code == "adapter" and "linear_fc1" in f.message]
+    assert found and all(f.level == "warning" and "mlp" in f.message and f.fix for f in found)
+
+
+def test_full_recompute_and_cuda_graphs_make_every_adapter_fall_back():
+    for s in (Setup(recompute_granularity="full", recompute_method="uniform"), Setup(cuda_graphs=True)):
+        found = diagnose(GOOD_ENV, s)
+        assert not any(f.message.endswith(": regather") for f in found if f.code == "adapter")
+        assert "0 re-gathering" in [f for f in found if f.code == "saving"][0].message
+
+
+def test_gather_strategy_suggests_regather_and_tp1_says_no_effect():
+    assert "regather-off" in codes(diagnose(GOOD_ENV, Setup(strategy="gather")), "warning")
+    assert "regather-no-effect" in codes(diagnose(GOOD_ENV, Setup(tp=1)))
+    assert "regather-no-effect" in codes(diagnose(GOOD_ENV, Setup(sp=False)))
+
+
+def test_estimate_api_is_used_when_present():
+    per, how = doctor.per_adapter_saving(Setup(seq=8192, micro_batch=1, hidden=4096, tp=2, dtype="bfloat16"))
+    assert per == 8192 * 4096 * 2 // 2 and "regather.estimate" in how
+
+
+def test_cli_json_and_exit_code(capsys, monkeypatch):
+    from regather.cli import main
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert main(["doctor", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["tp"] == 2 and any(f["code"] == "saving" for f in out["findings"])
+    assert main(["doctor", "--cpu-offloading", "--pp", "2"]) == 1
+    assert "cpu-offload-pp" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="'bogus'"):
+        main(["doctor", "--strategy", "bogus"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_built_model_decisions_agree_with_the_rules():
+    s = Setup(layers=1, recompute_granularity="selective", recompute_modules=("mlp",))
+    built = doctor.built_decisions(s, timeout=150)
+    assert built == doctor.analytic_decisions(s)
