@@ -117,3 +117,19 @@ def test_lowrank_bytes_saved_and_communicated():
     # gather path: x all-gather forward, x reduce-scatter + dmid all-reduce backward
     assert res["gather"]["forward"]["all_gather"] == S * B * H * f32 * (T - 1) // T + mid_bytes
     assert res["gather"]["backward"]["reduce_scatter"] == S * B * H * f32 * (T - 1) // T
+
+
+def test_lora_config_selects_strategy_and_rejects_disagreement():
+    from regather import LoRA, Strategy
+
+    assert LoRA(sequence_parallel_input_strategy="lowrank").strategy == Strategy.LOWRANK
+    assert LoRA(sequence_parallel_input_regather=True).strategy == Strategy.REGATHER
+    assert LoRA(sequence_parallel_input_regather=True, sequence_parallel_input_strategy="regather").strategy \
+        == Strategy.REGATHER
+    assert LoRA().strategy == Strategy.GATHER
+    with pytest.raises(ValueError, match="disagree"):
+        LoRA(sequence_parallel_input_regather=True, sequence_parallel_input_strategy="lowrank")
+    with pytest.raises(ValueError, match="unknown strategy 'fast'"):
+        LoRA(sequence_parallel_input_strategy="fast")
+    with pytest.raises(ValueError, match="lowrank_grad_allreduce"):
+        LoRA(lowrank_grad_allreduce="never")
