@@ -38,3 +38,18 @@ test-distributed: venv
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+
+# The distributed tests against megatron-core 0.19.2 (needs Python 3.12 on paper; it runs on
+# 3.11 when placed beside the pinned stack with PYTHONPATH, design.md §6; it imports triton).
+COMPAT_DIR := .venv-compat/mcore019
+COMPAT_PIN := megatron-core==0.19.2
+
+$(COMPAT_DIR)/.installed: venv
+	$(PIP) install -q --no-deps --ignore-requires-python --target $(COMPAT_DIR) \
+		--python-version 3.12 --only-binary=:all: $(COMPAT_PIN)
+	touch $@
+
+.PHONY: test-compat
+test-compat: $(COMPAT_DIR)/.installed
+	PYTHONPATH=$(COMPAT_DIR) $(PY) -c "import megatron.core as m; assert m.__version__.startswith('0.19.2'), m.__version__"
+	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed
