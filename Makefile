@@ -44,7 +44,7 @@ clean:
 COMPAT_DIR := .venv-compat/mcore019
 COMPAT_PIN := megatron-core==0.19.2
 
-$(COMPAT_DIR)/.installed: venv
+$(COMPAT_DIR)/.installed: $(STAMP)
 	$(PIP) install -q --no-deps --ignore-requires-python --target $(COMPAT_DIR) \
 		--python-version 3.12 --only-binary=:all: $(COMPAT_PIN)
 	touch $@
