@@ -50,15 +50,36 @@ class RunState:
 
 
 def in_activation_recompute() -> bool:
-    """True inside megatron's checkpointed forward/recompute, or inside any backward pass
-    (where torch.utils.checkpoint re-runs forward)."""
+    """True where activation checkpointing will run (or is running) this forward again.
+
+    Covers megatron's checkpointed forward and recompute (``is_checkpointing``),
+    any recompute inside a backward pass (reentrant ``torch.utils.checkpoint``),
+    and both passes of non-reentrant ``torch.utils.checkpoint``, whose recompute
+    must save exactly what the first forward saved: the adapter takes the gather
+    path in both, instead of failing with a CheckpointError in backward.
+    """
     if torch._C._current_graph_task_id() != -1:
+        return True
+    top = _top_saved_tensors_hook()
+    if top is not None and getattr(top, "__module__", "") == "torch.utils.checkpoint":
         return True
     try:
         from megatron.core.tensor_parallel.random import is_checkpointing
     except ImportError:  # megatron-core is optional for the unit-level API
         return False
     return bool(is_checkpointing())
+
+
+def _top_saved_tensors_hook():
+    """The pack hook of the innermost ``saved_tensors_hooks`` context, if torch exposes it."""
+    getter = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if getter is None:
+        return None
+    try:
+        hooks = getter(False)
+    except (TypeError, RuntimeError):
+        return None
+    return hooks[0] if hooks else None
 
 
 def _cuda_graphs_on(config: Any) -> Optional[str]:
@@ -78,7 +99,7 @@ def unsupported_reason(facts: AdapterFacts, config: Any, state: RunState) -> Opt
     if not state.grad_enabled:
         return "autograd is disabled (torch.no_grad / inference_mode)"
     if state.in_recompute:
-        return "running inside activation-checkpoint recompute"
+        return "running inside activation checkpointing (its recompute must save what forward saved)"
     if not state.lora_a_trainable:
         return "LoRA-A weight is frozen (requires_grad=False)"
     if not facts.column_parallel:

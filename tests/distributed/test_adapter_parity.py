@@ -89,3 +89,16 @@ def test_regather_adds_exactly_one_backward_gather():
     assert g["forward"] == rg["forward"]
     assert rg["backward"]["all_gather"] == g["backward"].get("all_gather", 0) + x_gather
     assert rg["backward"]["reduce_scatter"] == g["backward"]["reduce_scatter"] == x_gather
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_torch_checkpoint_falls_back_consistently(reentrant):
+    from workers_adapter import run_checkpointed
+
+    ref = run_ranks(run_checkpointed, T, Strategy.GATHER, reentrant=reentrant, timeout=120)
+    got = run_ranks(run_checkpointed, T, Strategy.REGATHER, reentrant=reentrant, timeout=120)
+    for rank in range(T):
+        assert got[rank]["reason"] == (
+            "running inside activation checkpointing (its recompute must save what forward saved)")
+        for key in ("out", "dx", "dA", "dB"):
+            _assert_identical(ref[rank][key], got[rank][key], f"rank {rank} {key}")

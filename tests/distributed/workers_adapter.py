@@ -77,3 +77,17 @@ def count_collectives(rank, t, strategy, *, s=16, b=2, h=32, o=48, r=8):
     with CollectiveBytes() as bwd:
         y.backward(dy)
     return {"forward": fwd.snapshot(), "backward": bwd.snapshot()}
+
+
+def run_checkpointed(rank, t, strategy, *, reentrant, s=16, b=2, h=32, o=48, r=8):
+    """The adapter inside torch.utils.checkpoint: both passes must take the same path."""
+    import torch.utils.checkpoint
+
+    enable_megatron_cpu()
+    adapter = make_adapter(strategy, h=h, o=o, r=r, dtype=torch.float32)
+    (x, dy), = _inputs(rank, t, s, b, h, o, torch.float32, True, 1)
+    x.requires_grad_()
+    y = torch.utils.checkpoint.checkpoint(adapter, x, use_reentrant=reentrant)
+    y.backward(dy)
+    return {"out": y.detach(), "dx": x.grad, "dA": adapter.linear_in.weight.grad,
+            "dB": adapter.linear_out.weight.grad, "reason": adapter.last_decision.reason}

@@ -42,7 +42,7 @@ def test_runtime_state_reasons(single_rank_group):
     for reentrant in (False, True):
         # the recompute in backward is the adapter's last forward
         torch.utils.checkpoint.checkpoint(adapter, x, use_reentrant=reentrant).sum().backward()
-        assert adapter.last_decision.reason == "running inside activation-checkpoint recompute"
+        assert adapter.last_decision.reason == "running inside activation checkpointing (its recompute must save what forward saved)"
     adapter.linear_in.weight.requires_grad_(False)
     adapter(x)
     assert adapter.last_decision.reason == "LoRA-A weight is frozen (requires_grad=False)"

@@ -36,7 +36,7 @@ def test_eligible_column_adapter_has_no_reason():
     [
         (dict(training=False), "module is in eval mode"),
         (dict(grad_enabled=False), "autograd is disabled (torch.no_grad / inference_mode)"),
-        (dict(in_recompute=True), "running inside activation-checkpoint recompute"),
+        (dict(in_recompute=True), "running inside activation checkpointing (its recompute must save what forward saved)"),
         (dict(lora_a_trainable=False), "LoRA-A weight is frozen (requires_grad=False)"),
         (dict(column_parallel=False, base_name="linear_proj"),
          "base layer 'linear_proj' is row-parallel (its input is split over hidden, not sequence)"),
