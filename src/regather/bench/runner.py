@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+from regather.lora import DEFAULT_TARGETS
 
 
 @dataclass

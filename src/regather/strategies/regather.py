@@ -149,6 +149,23 @@ class RegatherSlot:
         self.lease = self.pending = None
         return grad_w
 
+    @classmethod
+    def for_backward(cls, slot, group, pool, x_local, need_w: bool) -> "RegatherSlot":
+        """The forward's slot (a fresh plain one if it had none), its gather started if dA is needed."""
+        if slot is None:  # plain regather: the gather starts here
+            slot = cls(group, pool, early=False, defer=False)
+            slot.bind(x_local)
+        if need_w:
+            slot.start_gather()  # no-op when the output hook already did
+        return slot
+
+    def weight_grad_or_defer(self, weight, grad_mid, fuse):
+        """``dA`` now, or ``None`` after handing ``dmid`` to :class:`DeferredWgrad`."""
+        if self.defer:
+            self.grad_mid, self.weight, self.fuse = grad_mid, weight, fuse
+            return None
+        return self.weight_grad(weight, grad_mid, fuse)
+
     def finish_deferred(self):
         if self.grad_mid is None:
             return None
@@ -176,23 +193,13 @@ class RegatherLinearA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_mid):
         (x_local,), weight = ctx.saved_tensors, ctx.weight
-        group, pool, slot = ctx.group, ctx.pool, ctx.slot
         need_w = ctx.needs_input_grad[1]
-        if slot is None:  # plain regather: the gather starts here
-            slot = RegatherSlot(group, pool, early=False, defer=False)
-            slot.bind(x_local)
-        if need_w:
-            slot.start_gather()  # no-op when the output hook already did
+        slot = RegatherSlot.for_backward(ctx.slot, ctx.group, ctx.pool, x_local, need_w)
         scatter = None
         if ctx.needs_input_grad[0]:
             grad_full = grad_mid.matmul(weight)
-            scatter = comm.reduce_scatter_seq(grad_full, group, async_op=True)
-        grad_w = None
-        if need_w:
-            if slot.defer:  # DeferredWgrad's backward computes dA
-                slot.grad_mid, slot.weight, slot.fuse = grad_mid, weight, ctx.fuse
-            else:
-                grad_w = slot.weight_grad(weight, grad_mid, ctx.fuse)
+            scatter = comm.reduce_scatter_seq(grad_full, ctx.group, async_op=True)
+        grad_w = slot.weight_grad_or_defer(weight, grad_mid, ctx.fuse) if need_w else None
         grad_x = scatter.wait() if scatter is not None else None
         return grad_x, grad_w, None, None, None, None
 
@@ -219,20 +226,10 @@ class RegatherSharedLinearA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_mid):
         (x_local,), weight = ctx.saved_tensors, ctx.weight
-        slot = ctx.slot
-        if slot is None:
-            slot = RegatherSlot(ctx.group, ctx.pool, early=False, defer=False)
-            slot.bind(x_local)
         need_w = ctx.needs_input_grad[2]
-        if need_w:
-            slot.start_gather()
+        slot = RegatherSlot.for_backward(ctx.slot, ctx.group, ctx.pool, x_local, need_w)
         grad_full = grad_mid.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if need_w:
-            if slot.defer:
-                slot.grad_mid, slot.weight, slot.fuse = grad_mid, weight, ctx.fuse
-            else:
-                grad_w = slot.weight_grad(weight, grad_mid, ctx.fuse)
+        grad_w = slot.weight_grad_or_defer(weight, grad_mid, ctx.fuse) if need_w else None
         return grad_full, None, grad_w, None, None, None, None
 
 
