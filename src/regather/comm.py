@@ -125,6 +125,20 @@ def all_gather_seq(
     return _launch(op, out, (inp,), async_op)
 
 
+def all_gather_dim(inp: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``inp`` along ``dim`` (rank order); synchronous.
+
+    For weights and small metadata (state dicts, export, merge, debug checks);
+    activations use :func:`all_gather_seq`. Works without an initialised
+    process group (returns ``inp``).
+    """
+    if not dist.is_available() or not dist.is_initialized() or world_size(group) == 1:
+        return inp
+    dim = dim % inp.dim()
+    gathered = all_gather_seq(inp.movedim(dim, 0), group)
+    return gathered.movedim(0, dim).contiguous()
+
+
 def reduce_scatter_seq(
     inp: torch.Tensor,
     group,

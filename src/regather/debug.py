@@ -26,6 +26,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from regather import comm
+
 ENV_VAR = "REGATHER_DEBUG_SHAPES"
 _MAX_DIMS = 8
 
@@ -49,9 +51,7 @@ def check_same_shape(x: torch.Tensor, group, what: str = "input") -> None:
     mine = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.int64)
     mine[0] = x.dim()
     mine[1 : 1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-    everyone = torch.empty(t * (_MAX_DIMS + 1), dtype=torch.int64)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
-    everyone = everyone.view(t, _MAX_DIMS + 1)
+    everyone = comm.all_gather_seq(mine.view(1, -1), group)  # [t, _MAX_DIMS + 1]
     shapes = [tuple(int(d) for d in row[1 : 1 + int(row[0])]) for row in everyone]
     if any(s != shapes[0] for s in shapes):
         ranks = ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))

@@ -35,15 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from regather import comm
+
 _MERGED_ATTR = "_regather_merged"
-
-
-def _gather_cat(t: torch.Tensor, group, dim: int) -> torch.Tensor:
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
 
 
 def delta_weight(adapter) -> torch.Tensor:
@@ -51,9 +45,9 @@ def delta_weight(adapter) -> torch.Tensor:
     sd = adapter.state_dict()  # the sharded (Bridge) layout, whatever the strategy
     a, b = sd["linear_in.weight"].float(), sd["linear_out.weight"].float()
     if adapter.column_parallel:
-        a = _gather_cat(a, adapter.tp_group, 0)  # [r, h]
+        a = comm.all_gather_dim(a, adapter.tp_group, 0)  # [r, h]
     else:
-        b = _gather_cat(b, adapter.tp_group, 0)  # [o, r]
+        b = comm.all_gather_dim(b, adapter.tp_group, 0)  # [o, r]
     return adapter.scale * (b @ a)
 
 

@@ -52,6 +52,8 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from regather import comm
+
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 PREFIX = "base_model.model.model.layers"
@@ -132,14 +134,6 @@ def _attention_layout(config):
     return heads, groups, head_dim
 
 
-def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [t]
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t.contiguous(), group=group)
-    return out
-
-
 def _shards(adapter) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's LoRA-A and LoRA-B in the sharded (Bridge) layout, whatever the strategy."""
     sd = adapter.state_dict()
@@ -169,8 +163,8 @@ def hf_state_dict(model: torch.nn.Module, names: Optional[Mapping] = None,
         config = adapter.config
         a, b = _shards(adapter)
         group = adapter.tp_group
-        a_full = torch.cat(_all_gather(a, group), dim=0 if adapter.column_parallel else 1)
-        b_shards = _all_gather(b, group)
+        a_full = comm.all_gather_dim(a, group, dim=0 if adapter.column_parallel else 1)
+        b_shards = list(comm.all_gather_dim(b, group, dim=0).chunk(_size_rank(group)[0], dim=0))
         gated = kind == "linear_fc1" and bool(getattr(config, "gated_linear_unit", False))
         block, modules = _hf_modules(kind, gated, names)
         if kind == "linear_qkv" and len(modules) == 3:
