@@ -243,9 +243,14 @@ def built_decisions(setup: Setup, timeout: float = 180.0) -> dict[str, dict]:
 _BY_DESIGN = ("base layer", "module is in eval mode", "autograd is disabled", "running inside")
 
 
+def _natural(path: str):
+    """Sort key that puts layers.2 before layers.10."""
+    return [int(p) if p.isdigit() else p for p in path.split(".")]
+
+
 def adapter_findings(setup: Setup, decisions: Mapping[str, Mapping]) -> list[Finding]:
     out = []
-    for path in sorted(decisions):
+    for path in sorted(decisions, key=_natural):
         d = decisions[path]
         if d["reason"] is None:
             out.append(Finding("adapter", "info", f"{path}: {d['used']}"))
