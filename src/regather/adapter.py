@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from regather import accounting, debug
+from regather import accounting, comm, debug
 from regather.buffers import ScratchPool, default_pool
 from regather.eligibility import AdapterFacts, RunState, unsupported_reason
 from regather.strategies import Strategy
@@ -286,8 +286,6 @@ class ParallelLinearAdapter(nn.Module):
 
     def _full_lora_a(self, shard: torch.Tensor) -> torch.Tensor:
         """All-gather the rank shards ``[r/t, h]`` into ``[r, h]`` (a collective)."""
-        from regather import comm
-
         return comm.all_gather_seq(shard.contiguous(), self.tp_group)
 
     # -- decisions ---------------------------------------------------------------
@@ -386,7 +384,7 @@ class ParallelLinearAdapter(nn.Module):
             a = replicated_shard(a, self.tp_rank, self.tp_size, group, fuse, self.lowrank_reduce_in_backward)
 
         with accounting.label(accounting.ADAPTER_INPUT):  # what LoRA-A saves is counted apart
-            if lowrank:  # mid is already [s, b, r] and complete
+            if lowrank:
                 mid = lowrank_linear_a(x, a, group, fuse, self.lowrank_reduce_in_backward)
             elif self.column_parallel:
                 if x_full is not None and decision.used == Strategy.REGATHER:
@@ -403,11 +401,9 @@ class ParallelLinearAdapter(nn.Module):
                     mid = linear(mappings.copy_to_tensor_model_parallel_region(x, group=group), a, fuse)
             else:
                 mid = linear(x, a, fuse)
-        if lowrank:
-            pass
-        elif self.column_parallel:
+        if self.column_parallel and not lowrank:  # lowrank's mid is already [s, b, r], complete
             mid = mappings.gather_from_tensor_model_parallel_region(mid, group=group)
-        else:
+        elif not self.column_parallel:
             mid = mappings.reduce_from_tensor_model_parallel_region(mid, group=group)
 
         if self._activation is not None:
