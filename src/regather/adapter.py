@@ -383,7 +383,8 @@ class ParallelLinearAdapter(nn.Module):
         if self.replicated_a and not lowrank:  # fallback: this rank's rows, grads completed over TP
             a = replicated_shard(a, self.tp_rank, self.tp_size, group, fuse, self.lowrank_reduce_in_backward)
 
-        with accounting.label(accounting.ADAPTER_INPUT):  # what LoRA-A saves is counted apart
+        # what LoRA-A saves is counted apart, per base layer (accounting.SavedBytes.of)
+        with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.facts.base_name}"):
             if lowrank:
                 mid = lowrank_linear_a(x, a, group, fuse, self.lowrank_reduce_in_backward)
             elif self.column_parallel:
