@@ -16,7 +16,7 @@ venv: $(STAMP)
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q --upgrade pip 'setuptools>=77'
 	$(PIP) install -q $(TORCH_PIN)
 	# megatron-core declares heavy optional deps; it runs on CPU with numpy + packaging.
 	$(PIP) install -q --no-deps $(MEGATRON_PIN)
