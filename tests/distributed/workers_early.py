@@ -10,6 +10,7 @@ from regather.buffers import ScratchPool
 from regather.strategies.regather import BACKWARD_SCRATCH
 from regather.testing import enable_megatron_cpu
 
+from workers_adapter import _inputs as column_inputs
 from workers_adapter import make_adapter
 
 S, B, H, O, R = 16, 2, 32, 48, 8
@@ -43,13 +44,7 @@ class SpyPool(ScratchPool):
 
 
 def _inputs(rank, t, n, dtype, seed=11):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randn(S, B, H, generator=g).to(dtype).chunk(t, 0)[rank].clone()
-        dy = torch.randn(S, B, O, generator=g).to(dtype).chunk(t, 2)[rank].clone()
-        out.append((x, dy))
-    return out
+    return column_inputs(rank, t, S, B, H, O, dtype, True, n, seed)
 
 
 def _adapter(variant, dtype, fuse, pool=None):

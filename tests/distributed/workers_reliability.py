@@ -19,7 +19,7 @@ from regather.accounting import CollectiveBytes, SavedBytes
 from regather.buffers import Lease, ScratchPool
 from regather.testing import enable_megatron_cpu
 
-from workers_adapter import make_adapter
+from workers_adapter import _inputs, make_adapter
 
 SEQUENCE_LOCAL = [s for s in Strategy if s != Strategy.GATHER]
 
@@ -29,13 +29,7 @@ def strategies():
 
 
 def _data(rank, t, s, b, h, o, dtype, n, seed):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randn(s, b, h, generator=g).to(dtype).chunk(t, 0)[rank].clone()
-        dy = torch.randn(s, b, o, generator=g).to(dtype).chunk(t, 2)[rank].clone()
-        out.append((x, dy))
-    return out
+    return _inputs(rank, t, s, b, h, o, dtype, True, n, seed)
 
 
 def lora_a_grad(adapter, rank, t):
