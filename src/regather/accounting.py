@@ -146,8 +146,8 @@ class CollectiveBytes:
             for attr, value in list(vars(mod).items()):
                 try:
                     wrapped = wrappers.get(value)
-                except TypeError:  # unhashable
-                    continue
+                except Exception:  # unhashable; or a placeholder whose __hash__ raises (Bridge's
+                    continue       # UnavailableMeta stand-ins for missing optional packages)
                 if wrapped is not None:
                     self._patched.append((mod, attr, value))
                     setattr(mod, attr, wrapped)
