@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -20,15 +21,32 @@ class TinyGPT:
     num_query_groups: int | None = None
 
 
-def init_model_parallel(tp: int, seed: int = 1234) -> None:
-    """Initialise megatron's parallel state (TP=tp, PP=1) on an existing default group."""
+def init_model_parallel(
+    tp: int,
+    seed: int = 1234,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    timeout_minutes: Optional[float] = None,
+) -> None:
+    """Initialise megatron's parallel state on an existing default group.
+
+    ``tp`` x ``pp`` model parallelism (data parallel over the remaining ranks),
+    ``vpp`` virtual pipeline chunks per stage. ``timeout_minutes`` bounds each
+    collective / p2p op of megatron's groups (megatron's default is 30 min; a test
+    that can leave one pipeline stage waiting on a failed peer wants less).
+    """
     from megatron.core import parallel_state, tensor_parallel
 
     from regather.testing.megatron_cpu import enable_megatron_cpu
 
     enable_megatron_cpu()
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    kwargs = {}
+    if pp > 1:
+        kwargs.update(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
+    if timeout_minutes is not None:
+        kwargs["distributed_timeout_minutes"] = timeout_minutes
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, **kwargs)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -39,6 +57,11 @@ def build_gpt(
     dtype: torch.dtype = torch.float32,
     seed: int = 1234,
     gradient_accumulation_fusion: bool = False,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    init_parallel: bool = True,
     **config_overrides,
 ):
     """Build a megatron-core ``GPTModel`` (local spec) on the current ranks.
@@ -46,12 +69,24 @@ def build_gpt(
     Weights are initialised on CPU from the full master weight and split
     (``use_cpu_initialization``), so models with different TP sizes start
     from the same parameters.
+
+    Pipeline parallelism: pass ``pre_process`` / ``post_process`` (first / last
+    stage), ``vp_stage`` (virtual pipeline chunk) and, in ``config_overrides``,
+    ``pipeline_model_parallel_size`` / ``virtual_pipeline_model_parallel_size``
+    as megatron's ``get_model`` does; ``init_parallel=False`` keeps the parallel
+    state set up by :func:`init_model_parallel` (several chunks, one state) and
+    only reseeds megatron's RNG tracker.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    init_model_parallel(tp, seed)
+    if init_parallel:
+        init_model_parallel(tp, seed)
+    else:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(
         num_layers=shape.num_layers,
@@ -79,11 +114,12 @@ def build_gpt(
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.seq_length,
-        pre_process=True,
-        post_process=True,
+        pre_process=pre_process,
+        post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     if dtype != torch.float32:
         model = model.to(dtype)
