@@ -86,7 +86,7 @@ def test_fallback_runs_gather_on_rank_rows_with_complete_gradients():
                 torch.testing.assert_close(lf[name], gf[name], rtol=0, atol=0,
                                            msg=lambda m, n=name: f"rank {rank} fuse {fuse} {n}: {m}")
             if fuse:
-                assert lf["flag"] is True and lf["grad_none"]
+                assert lf["flag"] is True and lf["grad_shape"] == lf["a_shape"]  # dummy wgrad, as megatron's
     for fuse in (0, 1):  # the replicated copies stay identical
         torch.testing.assert_close(results[0]["fallback"]["lowrank"][f"forced{fuse}"]["dA_full"],
                                    results[1]["fallback"]["lowrank"][f"forced{fuse}"]["dA_full"], rtol=0, atol=0)

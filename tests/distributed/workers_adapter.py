@@ -60,8 +60,9 @@ def run_adapter(rank, t, strategy, *, s=16, b=2, h=32, o=48, r=8, dtype=torch.fl
         result["saved_adapter_input"] = saved.of(ADAPTER_INPUT)
     result["decision"] = adapter.last_decision
     if fuse:
-        result.update(dA=a.main_grad, dB=bw.main_grad, A_grad=a.grad, B_grad=bw.grad,
-                      A_flag=a.grad_added_to_main_grad)
+        shape = lambda w: None if w.grad is None else tuple(w.grad.shape)  # noqa: E731
+        result.update(dA=a.main_grad, dB=bw.main_grad, A_grad_shape=shape(a), B_grad_shape=shape(bw),
+                      A_shape=tuple(a.shape), B_shape=tuple(bw.shape), A_flag=a.grad_added_to_main_grad)
     else:
         result.update(dA=a.grad, dB=bw.grad)
     return result

@@ -71,8 +71,16 @@ def micro_batches(rank, t, variant, *, dtype, fuse, order, x_grad=True):
     adapter = _adapter(variant, dtype, fuse, pool)
     a = adapter.linear_in.weight
     seen = []  # main_grad / grad of A at each grad-ready hook
+    grad_none_at_hook = []  # megatron DDP's hook asserts a.grad is not None (overlap_grad_reduce)
     acc = a.expand_as(a).grad_fn.next_functions[0][0]
-    acc.register_hook(lambda *_: seen.append(_grad(a, fuse) if (fuse or a.grad is not None) else None))
+
+    def ready(*_):
+        seen.append(_grad(a, fuse) if (fuse or a.grad is not None) else None)
+        grad_none_at_hook.append(a.grad is None)
+        if fuse:
+            a.grad = None  # as DDP's hook does once main_grad holds the product
+
+    acc.register_hook(ready)
     data = _inputs(rank, t, 2, dtype)
     xs = [x.requires_grad_(x_grad) for x, _ in data]
     ys, outs = {}, {}
@@ -105,7 +113,7 @@ def micro_batches(rank, t, variant, *, dtype, fuse, order, x_grad=True):
         "out": [outs[0], outs[1]],
         "dx": [x.grad for x in xs],
         "dA": _grad(a, fuse), "dB": _grad(adapter.linear_out.weight, fuse),
-        "A_grad_none": a.grad is None,
+        "grad_none_at_hook": grad_none_at_hook,
         "hook_seen": seen, "after_backward": after,
         "max_in_flight": pool.max_backward_in_flight,
         "overlapping_ptrs": pool.overlapping_ptrs,

@@ -141,7 +141,9 @@ def fallback_cases(rank, t):
                 "out": y.detach(), "dx": xg.grad, "dA_full": _full_a(forced, da), "dB": db,
                 "decision": forced.last_decision,
                 "flag": getattr(forced.linear_in.weight, "grad_added_to_main_grad", None),
-                "grad_none": forced.linear_in.weight.grad is None,
+                # megatron's convention (the flag exists, as under DDP): a placeholder of A's shape
+                "grad_shape": None if forced.linear_in.weight.grad is None else tuple(forced.linear_in.weight.grad.shape),
+                "a_shape": tuple(forced.linear_in.weight.shape),
             }
     return res
 

@@ -241,10 +241,29 @@ def test_weight_grad_fuses_into_bf16_main_grad():
     w.main_grad = torch.zeros(4, 6, dtype=_BF)
     w.grad_added_to_main_grad = False
     go, x = torch.randn(10, 4).to(_BF), torch.randn(10, 6).to(_BF)
-    assert weight_grad(w, go, x, fuse=True) is None
+    placeholder = weight_grad(w, go, x, fuse=True)
     assert w.grad_added_to_main_grad
+    # megatron's convention under DDP: a placeholder of the weight's shape, never None
+    assert placeholder is not None and placeholder.shape == w.shape and placeholder.dtype == w.dtype
     expect = (go.float().t() @ x.float()).to(_BF)
     torch.testing.assert_close(w.main_grad, expect, rtol=0, atol=0)
+
+
+def test_main_grad_placeholder_follows_megatron():
+    """tensor_parallel/layers.py under gradient_accumulation_fusion: None without DDP's flag,
+    an empty tensor with it, zeros with ``zero_out_wgrad``; the flag is set."""
+    from regather.strategies.wgrad import main_grad_placeholder, weight_grad
+
+    w = torch.nn.Parameter(torch.zeros(4, 6))
+    w.main_grad = torch.zeros(4, 6)
+    go, x = torch.randn(10, 4), torch.randn(10, 6)
+    assert weight_grad(w, go, x, fuse=True) is None  # no DDP: .grad stays None
+    torch.testing.assert_close(w.main_grad, go.t() @ x, rtol=0, atol=0)
+    w.grad_added_to_main_grad = False
+    got = main_grad_placeholder(w)
+    assert got.shape == (4, 6) and w.grad_added_to_main_grad
+    w.zero_out_wgrad = True
+    assert torch.equal(main_grad_placeholder(w), torch.zeros(4, 6))
 
 
 def test_empty_k_is_noop():

@@ -55,7 +55,7 @@ from typing import Optional
 import torch
 
 from regather import comm
-from regather.strategies.wgrad import weight_grad
+from regather.strategies.wgrad import main_grad_placeholder, weight_grad
 
 GRAD_ALLREDUCE_BACKWARD = "backward"
 GRAD_ALLREDUCE_FINALIZE = "finalize_model_grads"
@@ -75,29 +75,28 @@ class _PartialGrad:
         if not self.into_main:
             return self.partial.to(self.weight.dtype)
         self.weight.main_grad.add_(self.partial)
-        if hasattr(self.weight, "grad_added_to_main_grad"):
-            self.weight.grad_added_to_main_grad = True
-        return None
+        return main_grad_placeholder(self.weight)
 
 
 def _fused(weight: torch.Tensor, fuse: bool) -> bool:
     return fuse and getattr(weight, "main_grad", None) is not None
 
 
-def _partial_dA(weight, grad_mid_local, x_local, fuse, reduce: bool) -> tuple[torch.Tensor, bool]:
-    """This rank's ``dmid_local^T x_local``; accumulated straight into ``main_grad`` when it
-    needs no reduction here (finalize mode), else formed in a temporary (fp32 when fused)."""
+def _partial_dA(weight, grad_mid_local, x_local, group, fuse, reduce: bool) -> "_PartialGrad | torch.Tensor | None":
+    """This rank's ``dmid_local^T x_local``: accumulated straight into ``main_grad`` when it
+    needs no reduction here (finalize mode; returns the weight gradient for autograd, see
+    :func:`~regather.strategies.wgrad.main_grad_placeholder`), else formed in a temporary
+    (fp32 when fused) whose reduction starts now (returns the pending :class:`_PartialGrad`)."""
     if _fused(weight, fuse):
         if not reduce:
-            weight_grad(weight, grad_mid_local, x_local, fuse)  # into main_grad, flag set
-            return None, False
+            return weight_grad(weight, grad_mid_local, x_local, fuse)  # into main_grad
         from regather.ops import wgrad_accumulate_
 
         buf = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         wgrad_accumulate_(buf, grad_mid_local.reshape(-1, grad_mid_local.shape[-1]),
                           x_local.reshape(-1, x_local.shape[-1]))
-        return buf, True
-    return weight_grad(weight, grad_mid_local, x_local, False), False
+        return _PartialGrad(weight, buf, group, reduce, into_main=True)
+    return _PartialGrad(weight, weight_grad(weight, grad_mid_local, x_local, False), group, reduce, into_main=False)
 
 
 class LowRankLinearA(torch.autograd.Function):
@@ -117,14 +116,11 @@ class LowRankLinearA(torch.autograd.Function):
         (x_local,), weight, group = ctx.saved_tensors, ctx.weight, ctx.group
         grad_mid_local = comm.reduce_scatter_seq(grad_mid, group)  # sums the TP partials
         grad_w = None
-        pending = None
         if ctx.needs_input_grad[1]:
-            partial, into_main = _partial_dA(weight, grad_mid_local, x_local, ctx.fuse, ctx.reduce_dA)
-            if partial is not None:
-                pending = _PartialGrad(weight, partial, group, ctx.reduce_dA, into_main)
+            grad_w = _partial_dA(weight, grad_mid_local, x_local, group, ctx.fuse, ctx.reduce_dA)
         grad_x = grad_mid_local.matmul(weight) if ctx.needs_input_grad[0] else None  # overlaps the all-reduce
-        if pending is not None:
-            grad_w = pending.finish()
+        if isinstance(grad_w, _PartialGrad):
+            grad_w = grad_w.finish()
         return grad_x, grad_w, None, None, None
 
 
@@ -170,9 +166,7 @@ class ReplicatedShard(torch.autograd.Function):
         part = shard.main_grad if fused else grad_shard
         if fused and not ctx.reduce_dA:  # finalize mode: leave the zero-padded partial in main_grad
             weight.main_grad[ctx.rows].add_(part)
-            if hasattr(weight, "grad_added_to_main_grad"):
-                weight.grad_added_to_main_grad = True
-            return None, None, None, None, None, None
+            return main_grad_placeholder(weight), None, None, None, None, None
         full = torch.zeros(weight.shape, dtype=part.dtype, device=part.device)
         full[ctx.rows] = part
         grad_w = _PartialGrad(weight, full, ctx.group, ctx.reduce_dA, fused).finish()

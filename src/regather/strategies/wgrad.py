@@ -8,10 +8,24 @@ makes regather bit-identical to the gather path.
 With gradient-accumulation fusion (megatron's ``gradient_accumulation_fusion``)
 and a parameter that carries a ``main_grad`` (fp32, or bf16/fp16 with megatron's
 ``grad_reduce_in_fp32=False``: fp32 product, one rounding), the product is accumulated
-into ``main_grad`` by :func:`regather.ops.wgrad_accumulate_`, the parameter's
-``grad_added_to_main_grad`` flag is set when it exists (megatron DDP's
-convention), and ``None`` is returned so ``.grad`` stays None. Autograd still
-runs the parameter's grad-accumulator hooks, so DDP's grad-ready hooks fire.
+into ``main_grad`` by :func:`regather.ops.wgrad_accumulate_` and the weight
+gradient returned to autograd is :func:`main_grad_placeholder`'s: megatron's own
+convention (``tensor_parallel/layers.py``, ``LinearWithGradAccumulationAndAsync
+Communication.backward`` under ``gradient_accumulation_fusion``):
+
+===================================== =============================================
+parameter                             returned weight gradient
+===================================== =============================================
+has ``grad_added_to_main_grad``       a placeholder of the weight's shape (``empty``;
+(megatron DDP sets it)                ``zeros`` when ``zero_out_wgrad``), flag set True
+no such attribute (no DDP)            ``None``: ``.grad`` stays None
+===================================== =============================================
+
+Why not ``None`` under DDP: megatron DDP's grad-ready hook (on the parameter's
+grad accumulator) asserts ``param.grad is not None`` with ``overlap_grad_reduce``,
+then skips the add into ``main_grad`` because the flag is set and clears
+``.grad``. The placeholder is what autograd hands to that hook; its values are
+never read.
 """
 
 from __future__ import annotations
@@ -33,9 +47,20 @@ def weight_grad(
     from regather.ops import wgrad_accumulate_
 
     wgrad_accumulate_(main_grad, go, x)
-    if hasattr(weight, "grad_added_to_main_grad"):
-        weight.grad_added_to_main_grad = True
-    return None
+    return main_grad_placeholder(weight)
+
+
+def main_grad_placeholder(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The weight gradient to return once ``dW`` went into ``weight.main_grad`` (see module doc).
+
+    Sets ``grad_added_to_main_grad`` when the parameter has the attribute (megatron DDP)
+    and returns a tensor of the weight's shape for DDP's grad hook; ``None`` otherwise.
+    """
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 class LinearWithWgrad(torch.autograd.Function):
