@@ -53,3 +53,25 @@ $(COMPAT_DIR)/.installed: $(STAMP)
 test-compat: $(COMPAT_DIR)/.installed
 	PYTHONPATH=$(COMPAT_DIR) $(PY) -c "import megatron.core as m; assert m.__version__.startswith('0.19.2'), m.__version__"
 	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed
+
+# The tests against the real Megatron Bridge (tests/bridge; ~2 min on 2 cores). megatron-bridge 0.6.2 is a
+# pure-Python wheel that declares Python 3.12 and a GPU stack: it goes beside the pinned stack like
+# megatron-core 0.19.2 (--no-deps, --ignore-requires-python), and regather.testing.bridge_env adds the
+# import-level shims its PEFT code needs on CPU. Bridge 0.6.2 pins no megatron-core version, but its code
+# imports modules that 0.16.1 lacks (megatron.core.models.hybrid, megatron.training): the tests run
+# with 0.19.2 on the path; tests/bridge/test_bridge_mcore016.py checks 0.16.1 too (HybridStack stand-in).
+BRIDGE_DIR := .venv-compat/bridge
+BRIDGE_PIN := megatron-bridge==0.6.2
+BRIDGE_PATH := $(BRIDGE_DIR):$(COMPAT_DIR)
+
+$(BRIDGE_DIR)/.installed: $(STAMP)
+	rm -rf $(BRIDGE_DIR)
+	$(PIP) install -q --no-deps --ignore-requires-python --target $(BRIDGE_DIR) \
+		--python-version 3.12 --only-binary=:all: $(BRIDGE_PIN)
+	touch $@
+
+.PHONY: test-bridge
+test-bridge: $(BRIDGE_DIR)/.installed $(COMPAT_DIR)/.installed
+	PYTHONPATH=$(BRIDGE_PATH) $(PY) -c "import importlib.metadata as md; \
+		v = md.version('megatron-bridge'), md.version('megatron-core'); assert v == ('0.6.2', '0.19.2'), v"
+	PYTHONPATH=$(BRIDGE_PATH) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/bridge

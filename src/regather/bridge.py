@@ -1,0 +1,140 @@
+"""``regather.bridge.LoRA``: regather's adapters behind Megatron Bridge's PEFT protocol.
+
+A drop-in for ``megatron.bridge.peft.lora.LoRA`` in a Bridge recipe::
+
+    from regather.bridge import LoRA
+
+    cfg.peft = LoRA(dim=16, alpha=32, sequence_parallel_input_regather=True)
+    cfg.peft = LoRA(dim=16, alpha=32, sequence_parallel_input_strategy="lowrank")
+
+It *is* a Bridge ``LoRA`` (a dataclass subclass: every Bridge field, ``isinstance``
+checks such as Bridge's LoRA-aware FLOP count, ``params_to_save`` /
+``set_params_to_save``, ``adapter_key_filter``, ``freeze_model`` and
+``PEFT.__call__(model, training)`` on a module or a list of model chunks all come
+from Bridge), plus regather's fields ``sequence_parallel_input_strategy``
+("gather" | "regather" | "lowrank"), ``early_regather``,
+``lowrank_grad_allreduce`` and ``share_sequence_gather`` (see :class:`regather.LoRA`).
+
+Only :meth:`LoRA.transform` differs: a megatron column- or row-parallel linear
+that Bridge's matcher selects (``target_modules``, wildcards, or Bridge's
+``exclude_modules`` mode) becomes a :class:`regather.LoRALinear` with a
+:class:`regather.ParallelLinearAdapter`, built by :meth:`regather.lora.LoRA._make_adapter`.
+Parameter and state-dict names follow Bridge's (``…linear_qkv.adapter.linear_in.weight``).
+Modules regather does not adapt — plain ``torch.nn.Linear``, MoE routers and
+expert linears (``…mlp.experts…linear_fc1/2``), linears with their TP
+communication disabled (MoE shared experts with overlap) — go to Bridge's own
+``transform`` and get Bridge's adapters, so ``normalize_moe_lora`` and the
+expert options keep their Bridge meaning. ``lora_dtype``, as in Bridge, applies
+only to those plain ``nn.Linear`` adapters.
+
+Bridge's ``ConfigContainer`` declares ``peft: Optional[PEFT]`` and, in
+``validate()``, only asks for ``checkpoint.pretrained_checkpoint`` when it is set;
+its training setup calls ``peft(model, training=True)`` then
+``peft.set_params_to_save(model)``, and its checkpointing filters with
+``peft.adapter_key_filter``. When a config is written to YAML, the class is
+recorded as ``_target_: regather.bridge.LoRA``; Bridge instantiates only targets
+under its allow-listed prefixes, so call
+``megatron.bridge.utils.instantiate_utils.register_allowed_target_prefix("regather")``
+before loading such a YAML.
+
+Importing this module needs Megatron Bridge; ``import regather`` never imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+try:
+    from megatron.bridge.peft.lora import LoRA as BridgeLoRA
+    from megatron.bridge.peft.utils import is_expert_linear
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess without Bridge
+    raise ImportError(
+        "regather.bridge needs Megatron Bridge (the megatron.bridge.peft package): "
+        "`pip install megatron-bridge` into this environment, or use regather.LoRA, which needs only "
+        f"megatron-core. The import failed with: {type(exc).__name__}: {exc}"
+    ) from exc
+
+from torch import nn
+
+from regather.adapter import ParallelLinearAdapter
+from regather.lora import LoRA as _RegatherLoRA
+from regather.lora import LoRALinear, _install_sequence_check, _is_parallel_linear
+
+__all__ = ["LoRA", "BridgeLoRA"]
+
+_WRAPPER_CHILDREN = ("to_wrap", "adapter")
+
+
+@dataclass
+class LoRA(BridgeLoRA):
+    """Megatron Bridge's ``LoRA`` whose dense parallel-linear adapters are regather's."""
+
+    # "gather" | "regather" | "lowrank"; None follows sequence_parallel_input_regather.
+    sequence_parallel_input_strategy: Optional[str] = None
+    # regather: start the backward gather when the output gradient arrives (bit-identical).
+    early_regather: bool = True
+    # lowrank: "backward" or "finalize_model_grads" (megatron-core's) sums the TP-partial dA.
+    lowrank_grad_allreduce: str = "backward"
+    # one forward gather / backward reduce-scatter for a frozen ColumnParallelLinear and its adapter.
+    share_sequence_gather: bool = False
+
+    def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        self.regather_config()  # validates the fields now: a bad config fails at construction
+
+    def regather_config(self) -> _RegatherLoRA:
+        """The :class:`regather.LoRA` these fields describe (it builds the adapters)."""
+        return _RegatherLoRA(
+            target_modules=list(self.target_modules or []),
+            dim=self.dim,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            dropout_position=self.dropout_position,
+            lora_A_init_method=self.lora_A_init_method,
+            lora_B_init_method=self.lora_B_init_method,
+            a2a_experts=self.a2a_experimental,
+            sequence_parallel_input_regather=self.sequence_parallel_input_regather,
+            sequence_parallel_input_strategy=self.sequence_parallel_input_strategy,
+            early_regather=self.early_regather,
+            lowrank_grad_allreduce=self.lowrank_grad_allreduce,
+            share_sequence_gather=self.share_sequence_gather,
+        )
+
+    def __call__(self, model, training: bool = True):
+        """Bridge's ``PEFT.__call__`` (validate matches, freeze, walk ``transform``, set the mode),
+        after re-validating the fields (recipes set them after construction)."""
+        self.regather_config()
+        model = super().__call__(model, training=training)
+        for chunk in model if isinstance(model, list) else [model]:
+            _install_sequence_check(getattr(chunk, "module", chunk))
+        return model
+
+    def transform(self, module: nn.Module, name: Optional[str] = None, prefix: Optional[str] = None) -> nn.Module:
+        """Wrap ``module`` in a regather ``LoRALinear`` when Bridge's matcher selects it."""
+        full_name = f"{prefix}.{name}" if prefix else (name or "")
+        if isinstance(module, (LoRALinear, ParallelLinearAdapter)) or any(
+            part in _WRAPPER_CHILDREN for part in full_name.split(".")
+        ):
+            return module  # already adapted, or inside an adapted linear
+        if not self._regather_adapts(module, full_name):
+            return super().transform(module, name, prefix)  # Bridge's own adapter (see module doc)
+        match = self.match(module, name, prefix)
+        if match is None:
+            return module
+        _, path = match
+        config = self.regather_config()
+        wrapped = LoRALinear(module, config._make_adapter(path, module))
+        wrapped.share_sequence_gather = self.share_sequence_gather
+        return wrapped
+
+    @staticmethod
+    def _regather_adapts(module: nn.Module, full_name: str) -> bool:
+        if isinstance(module, nn.Linear) or not _is_parallel_linear(module):
+            return False
+        if is_expert_linear(full_name) or "Grouped" in type(module).__name__:
+            return False
+        # TP communication switched off on the base (MoE shared experts with overlap)
+        return not (getattr(module, "parallel_mode", "") is None or getattr(module, "explicit_expert_comm", False))
