@@ -42,10 +42,11 @@ def bridge_model(regather: bool, tp: int = TP, **kw):
     return bridge_lora(regather, **kw)([model], training=True)[0]
 
 
-def regather_model(strategy: str, tp: int = TP, **kw):
+def regather_model(strategy: str, tp: int = TP, adapter_seed: int = SEED + 11, **kw):
     from regather import LoRA
 
     model = base_model(tp)
+    torch.manual_seed(adapter_seed)  # regather's adapter init (an init other than Bridge's)
     return LoRA(target_modules=list(TARGETS), dim=DIM, alpha=ALPHA, sequence_parallel_input_strategy=strategy,
                 **kw)(model, training=True)
 

@@ -33,6 +33,16 @@ touches what the PEFT code computes; each one only gets an import through:
    (0.19.2 has it, and then the stand-in is not installed). No model is an
    instance of the stand-in, so the recompute patch sees only TransformerBlocks.
 
+:func:`import_bridge_checkpointing` adds one more, for the checkpoint tests only:
+
+6. ``megatron.bridge.training.checkpointing`` holding only the three functions that
+   ``peft/utils.py``'s ``load_peft_adapter_checkpoint`` imports from it
+   (``apply_peft_adapter_filter_to_state_dict``, its helper ``_is_model_section``,
+   ``_generate_model_state_dict``), compiled from the installed ``checkpointing.py``'s own
+   source: the real module imports the whole training stack (``modelopt``, Bridge's
+   ``ConfigContainer`` and model zoo, ``megatron.training``). They are Bridge's code,
+   unchanged, run against the test's models.
+
 The re-gather path itself (``LoRA(sequence_parallel_input_regather=True)``,
 megatron's sequence-parallel linear for LoRA-A) needs nothing beyond
 :func:`regather.testing.enable_megatron_cpu` (design.md §6, §8).
@@ -179,3 +189,49 @@ def _import_lora_layers_with_te_stand_in() -> None:
     finally:
         del sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"]
     _SHIMS.append("transformer_engine stand-in while importing peft.lora_layers")
+
+
+_CHECKPOINTING_FUNCTIONS = ("_is_model_section", "apply_peft_adapter_filter_to_state_dict",
+                            "_generate_model_state_dict")
+
+
+def import_bridge_checkpointing() -> types.ModuleType:
+    """Shim 6 (see the module doc): ``megatron.bridge.training.checkpointing`` with Bridge's
+    own adapter-filter and model-state-dict functions; returns it."""
+    import ast
+    from typing import Any, Optional
+
+    name = "megatron.bridge.training.checkpointing"
+    if name in sys.modules:
+        return sys.modules[name]
+    import_bridge_peft()
+    spec = importlib.util.find_spec("megatron.bridge.training")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(INSTALL_HINT)
+    source_path = f"{list(spec.submodule_search_locations)[0]}/checkpointing.py"
+    with open(source_path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), source_path)
+    wanted = [node for node in tree.body
+              if isinstance(node, ast.FunctionDef) and node.name in _CHECKPOINTING_FUNCTIONS]
+    if sorted(n.name for n in wanted) != sorted(_CHECKPOINTING_FUNCTIONS):
+        raise ImportError(f"{source_path} does not define {_CHECKPOINTING_FUNCTIONS}")
+    from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.module import MegatronModule
+
+    from megatron.bridge.peft.base import PEFT
+
+    training = types.ModuleType("megatron.bridge.training", "bare package (regather.testing.bridge_env, shim 6)")
+    training.__path__ = list(spec.submodule_search_locations)
+    module = types.ModuleType(name, "Bridge's adapter-filter functions only (regather.testing.bridge_env, shim 6)")
+    module.__file__ = source_path
+    # the names their annotations use, evaluated when the functions are defined
+    module.__dict__.update(Any=Any, Optional=Optional, PEFT=PEFT, MegatronModule=MegatronModule,
+                           ShardedStateDict=ShardedStateDict, ProcessGroupCollection=ProcessGroupCollection)
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), source_path, "exec"), module.__dict__)
+    training.checkpointing = module
+    sys.modules.setdefault(training.__name__, training)
+    sys.modules[name] = module
+    sys.modules["megatron.bridge"].training = sys.modules[training.__name__]
+    _SHIMS.append("megatron.bridge.training.checkpointing: Bridge's filter functions only")
+    return module
