@@ -57,9 +57,10 @@ test-compat: $(COMPAT_DIR)/.installed
 # The tests against the real Megatron Bridge (tests/bridge; ~2 min on 2 cores). megatron-bridge 0.6.2 is a
 # pure-Python wheel that declares Python 3.12 and a GPU stack: it goes beside the pinned stack like
 # megatron-core 0.19.2 (--no-deps, --ignore-requires-python), and regather.testing.bridge_env adds the
-# import-level shims its PEFT code needs on CPU. Bridge 0.6.2 pins no megatron-core version, but its code
-# imports modules that 0.16.1 lacks (megatron.core.models.hybrid, megatron.training): the tests run
-# with 0.19.2 on the path; tests/bridge/test_bridge_mcore016.py checks 0.16.1 too (HybridStack stand-in).
+# import-level shims its PEFT code needs on CPU. Bridge 0.6.2 pins no megatron-core version
+# (megatron-core[dev,mlm]), but its PEFT code imports megatron.core.models.hybrid.hybrid_block, which
+# megatron-core has from 0.18 on (not in 0.17.1 nor 0.16.1): the tests run with 0.19.2 on the path;
+# tests/bridge/test_bridge_mcore016.py checks the pinned 0.16.1 too (with a HybridStack stand-in).
 BRIDGE_DIR := .venv-compat/bridge
 BRIDGE_PIN := megatron-bridge==0.6.2
 BRIDGE_PATH := $(BRIDGE_DIR):$(COMPAT_DIR)
