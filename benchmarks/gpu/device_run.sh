@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine: run.sh (one Qwen3-8B layer per strategy), then kernels.sh
+# (wgrad kernels, extension build, comm-stream overlap trace), each time-boxed, every result in
+# $OUT as at most 8 files, never stopping at a failed step.
+#
+#   OUT=DIR benchmarks/gpu/device_run.sh            # on the GPU machine (README.md: the device call)
+#   DRY_RUN=1 OUT=DIR benchmarks/gpu/device_run.sh  # on CPU: the same steps' dry runs, same bundle
+#
+# Environment:
+#   BUDGET_S  whole run, default 330 s (5.5 min), so that one device call of timeout_s=360 and an
+#             immediate rerun fit into a 15-minute device budget with the machine's start
+#   RUN_S     run.sh's share, default 110 s; kernels.sh gets what is left minus 15 s for bundling
+#   STEPS     default "run kernels"; e.g. STEPS=kernels to rerun one step
+#   DRY_RUN   1: run.sh --dry-run and kernels.sh --cpu-dry-run (tiny shapes on CPU; budgets
+#             default to 900 s and 420 s there)
+#   PYTHON    default python3
+# Each step runs under `timeout` (its budget + 20 s, then SIGKILL 10 s later), so the whole run
+# ends by BUDGET_S + about 30 s whatever a step does.
+#
+# Files in $OUT (7):
+#   summary.txt        one line per step: name, exit code, seconds, budget; then the environment
+#   device_run.log     every step's console output and ext_build.log, one after the other
+#   layer_bench.json   layer_bench.md   kernels.json   kernels.md   (when the step wrote them)
+#   results.tar.gz     everything every step wrote (overlap_trace.json, bench.log, ...)
+# Exit status: 0 when every step exited 0, else 1 (the summary says which).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out/gpu}
+DRY_RUN=${DRY_RUN:-0}
+if [ "$DRY_RUN" = 1 ]; then  # CPU: tiny shapes, but a shared 2-core machine can be slow
+  BUDGET_S=${BUDGET_S:-900}; RUN_S=${RUN_S:-420}
+else
+  BUDGET_S=${BUDGET_S:-330}; RUN_S=${RUN_S:-110}
+fi
+STEPS=${STEPS:-run kernels}
+export PYTHON=${PYTHON:-python3} PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+STAGE=$(mktemp -d "${TMPDIR:-/tmp}/regather-device-XXXXXX")
+SUMMARY=$OUT/summary.txt
+LOG=$OUT/device_run.log
+t0=$(date +%s)
+: >"$LOG"
+{
+  echo "# benchmarks/gpu/device_run.sh  $(date -u +%FT%TZ)  DRY_RUN=$DRY_RUN BUDGET_S=$BUDGET_S RUN_S=$RUN_S STEPS=$STEPS"
+  echo "# step  exit  seconds  budget_s"
+} >"$SUMMARY"
+
+elapsed() { echo $(( $(date +%s) - t0 )); }
+FAILED=0
+
+# step NAME BUDGET CMD...: run CMD with OUT=$STAGE/NAME under timeout, log and record it
+step() {
+  local name=$1 budget=$2 start rc
+  shift 2
+  mkdir -p "$STAGE/$name"
+  start=$(date +%s)
+  echo "===== $name: $* (budget ${budget} s, at +$(elapsed) s)" >>"$LOG"
+  OUT="$STAGE/$name" BUDGET_S="$budget" timeout --kill-after=10 "$(( budget + 20 ))" "$@" \
+    >"$STAGE/$name.console" 2>&1
+  rc=$?
+  [ "$rc" -eq 0 ] || FAILED=$(( FAILED + 1 ))
+  cat "$STAGE/$name.console" >>"$LOG"
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "===== $name: stopped by timeout (rc $rc)" >>"$LOG"
+  printf '%-8s %4s %7s %8s\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$budget" >>"$SUMMARY"
+  echo "===== $name: exit $rc after $(( $(date +%s) - start )) s" >>"$LOG"
+  return 0
+}
+
+for s in $STEPS; do
+  case $s in
+    run)
+      if [ "$DRY_RUN" = 1 ]; then args=(--dry-run --rounds 1); else args=(); fi
+      step run "$RUN_S" bash benchmarks/gpu/run.sh ${args[@]+"${args[@]}"}
+      ;;
+    kernels)
+      left=$(( BUDGET_S - $(elapsed) - 15 ))
+      [ "$left" -lt 90 ] && left=90
+      if [ "$DRY_RUN" = 1 ]; then args=(--cpu-dry-run); else args=(); fi
+      step kernels "$left" bash benchmarks/gpu/kernels.sh ${args[@]+"${args[@]}"}
+      ;;
+    *)
+      echo "device_run.sh: unknown step '$s' (known: run kernels)" >>"$LOG"
+      printf '%-8s %4s %7s %8s\n' "$s" "-" 0 0 >>"$SUMMARY"
+      FAILED=$(( FAILED + 1 ))
+      ;;
+  esac
+done
+
+# the machine, once (cheap; after the steps so it never eats into their budgets)
+{
+  echo "# environment"
+  echo "host: $(uname -srm)"
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo 'no .git here')"
+  "$PYTHON" - <<'PY' 2>&1
+import sys
+print("python:", sys.version.split()[0], sys.executable)
+try:
+    import torch
+    print("torch:", torch.__version__, "cuda", torch.version.cuda,
+          "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+except Exception as exc:  # noqa: BLE001
+    print("torch: not importable:", exc)
+try:
+    import triton
+    print("triton:", triton.__version__)
+except Exception as exc:  # noqa: BLE001
+    print("triton: not importable:", exc)
+PY
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+} >>"$SUMMARY" 2>&1
+
+if [ -f "$STAGE/kernels/ext_build.log" ]; then
+  { echo "===== kernels: ext_build.log"; cat "$STAGE/kernels/ext_build.log"; } >>"$LOG"
+fi
+for f in run/layer_bench.json run/layer_bench.md kernels/kernels.json kernels/kernels.md; do
+  [ -f "$STAGE/$f" ] && cp "$STAGE/$f" "$OUT/"
+done
+tar -czf "$OUT/results.tar.gz" -C "$STAGE" . 2>>"$LOG"
+rm -rf "$STAGE"
+echo "total $(elapsed) s" >>"$SUMMARY"
+cat "$SUMMARY"
+echo "device_run.sh: files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+[ "$FAILED" -eq 0 ]
