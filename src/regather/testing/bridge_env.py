@@ -30,7 +30,7 @@ touches what the PEFT code computes; each one only gets an import through:
 5. megatron-core 0.16.1 only: a stand-in ``megatron.core.models.hybrid.hybrid_block``
    with an empty ``HybridStack`` class. ``PEFT.__call__`` imports it
    (``peft/recompute.py``) to patch recompute blocks; 0.16.1 has no such module
-   (0.19.2 has it, and then the stand-in is not installed). No model is an
+   (megatron-core has it from 0.18 on; then the stand-in is not installed). No model is an
    instance of the stand-in, so the recompute patch sees only TransformerBlocks.
 
 :func:`import_bridge_checkpointing` adds one more, for the checkpoint tests only:
