@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from regather import accounting, comm, debug
+from regather import accounting, checkpoint, comm, debug
 from regather.buffers import ScratchPool, default_pool
 from regather.eligibility import AdapterFacts, RunState, unsupported_reason
 from regather.strategies import Strategy
@@ -129,7 +129,21 @@ class Plan:
 
 
 class _ShardedWeight(nn.Module):
-    """Holds one weight shard, tagged the way megatron tags tensor-parallel parameters."""
+    """Owns one LoRA weight shard (``linear_in`` / ``linear_out``), the way megatron's
+    linears own theirs.
+
+    * The parameter is tagged as megatron tags tensor-parallel parameters.
+    * The adapter reads it by *calling* the module (``self.linear_in()``), never as a bare
+      attribute: megatron DDP with ``overlap_param_gather`` finishes a bucket's parameter
+      all-gather in forward pre-hooks registered on every module, for the parameters the
+      module owns directly (``module.parameters(recurse=False)``,
+      ``DistributedDataParallel._make_forward_pre_hook``). A holder that is never called
+      would be read before its all-gather finished, and DP replicas would diverge.
+    * ``_extra_state`` (``None``) as megatron's ``ColumnParallelLinear`` /
+      ``RowParallelLinear`` write it, so state dicts of Megatron Bridge's adapters (whose
+      ``linear_in`` / ``linear_out`` are megatron linears) load with ``strict=True``.
+      A state dict without it (regather 0.1) loads too: the value is always ``None``.
+    """
 
     def __init__(self, master: torch.Tensor, partition_dim: int, rank: int, tp: int):
         super().__init__()
@@ -138,6 +152,20 @@ class _ShardedWeight(nn.Module):
         self.weight.tensor_model_parallel = tp > 1
         self.weight.partition_dim = partition_dim
         self.weight.partition_stride = 1
+        self._register_load_state_dict_pre_hook(_default_extra_state)
+
+    def forward(self) -> nn.Parameter:
+        return self.weight
+
+    def get_extra_state(self) -> None:
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Ignored, as in megatron's linears."""
+
+
+def _default_extra_state(state_dict, prefix, *args):
+    state_dict.setdefault(prefix + "_extra_state", None)
 
 
 class ParallelLinearAdapter(nn.Module):
@@ -378,7 +406,7 @@ class ParallelLinearAdapter(nn.Module):
         if self.dropout is not None and self.dropout_position == "pre":
             x = self.dropout(x)
         group, fuse = self.tp_group, self.gradient_accumulation_fusion
-        a, b = self.linear_in.weight, self.linear_out.weight
+        a, b = self.linear_in(), self.linear_out()  # called: DDP's param-gather pre-hooks run
         lowrank = self.column_parallel and self.sequence_parallel and decision.used == Strategy.LOWRANK
         if self.replicated_a and not lowrank:  # fallback: this rank's rows, grads completed over TP
             a = replicated_shard(a, self.tp_rank, self.tp_size, group, fuse, self.lowrank_reduce_in_backward)
@@ -422,6 +450,11 @@ class ParallelLinearAdapter(nn.Module):
         if slot is not None and out.requires_grad:
             out.register_hook(slot.on_output_grad)  # early re-gather: start when dout arrives
         return out
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """megatron ``dist_checkpointing``: Bridge's keys, global shapes and TP axes
+        (:mod:`regather.checkpoint`); a replicated LoRA-A is declared as this rank's rows."""
+        return checkpoint.adapter_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def extra_repr(self) -> str:
         kind = "column" if self.column_parallel else "row"

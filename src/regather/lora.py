@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from regather import te
+from regather import checkpoint, te
 from regather.adapter import ACTIVATIONS, DROPOUT_POSITIONS, INIT_METHODS, Decision, ParallelLinearAdapter
 from regather.strategies import Strategy
 
@@ -31,12 +31,20 @@ DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 class LoRALinear(nn.Module):
-    """A frozen megatron linear plus its adapter: ``(base(x) + adapter(x), bias)``."""
+    """A frozen megatron linear plus its adapter: ``(base(x) + adapter(x), bias)``.
+
+    Checkpoints use Megatron Bridge's keys (:mod:`regather.checkpoint`): the base layer's
+    entries under the wrapper's own path (``linear_qkv.weight``, as in the frozen model's
+    checkpoint), the adapter's under ``adapter.``; ``sharded_state_dict`` declares both for
+    megatron's ``dist_checkpointing``.
+    """
 
     def __init__(self, to_wrap: nn.Module, adapter: ParallelLinearAdapter):
         super().__init__()
         self.to_wrap = to_wrap
         self.adapter = adapter
+        self._register_state_dict_hook(checkpoint.flatten_base_keys)
+        self._register_load_state_dict_pre_hook(checkpoint.nest_base_keys)
         self._te_layernorm = te.fuses_layernorm(to_wrap)  # LoRA reads TE's LayerNorm output
         # One sequence all-gather (forward) and one reduce-scatter (backward) for base + adapter
         # on a frozen megatron ColumnParallelLinear; see _shared_gather_forward. Off by default:
@@ -55,6 +63,10 @@ class LoRALinear(nn.Module):
             return self._shared_gather_forward(x, plan, *args, **kwargs)
         out, bias = self.to_wrap(x, *args, **kwargs)
         return out + self.adapter(x, plan=plan), bias
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """megatron ``dist_checkpointing``: the base layer's shards, then the adapter's."""
+        return checkpoint.lora_linear_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def _can_share(self, plan) -> bool:
         base = self.to_wrap

@@ -309,10 +309,7 @@ def load_peft(model: torch.nn.Module, directory: str, names: Optional[Mapping] =
         raise KeyError(f"{directory}: tensors {unused[:6]}{'...' if len(unused) > 6 else ''} match no adapter "
                        f"of the model")
     for path, (a_shard, b_shard) in staged.items():
-        result = found[path].load_state_dict({"linear_in.weight": a_shard, "linear_out.weight": b_shard},
-                                             strict=False)
-        if result.missing_keys and {"linear_in.weight", "linear_out.weight"} & set(result.missing_keys):
-            raise RuntimeError(f"{path!r}: load_state_dict missed {result.missing_keys}")
+        found[path].load_state_dict({"linear_in.weight": a_shard, "linear_out.weight": b_shard}, strict=True)
     return sorted(staged)
 
 
