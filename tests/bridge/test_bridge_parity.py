@@ -38,7 +38,8 @@ def _same(a: dict, b: dict, what: str, **tol) -> None:
 
 @pytest.mark.parametrize("pair", [("regather/gather", "bridge/gather"), ("regather/regather", "bridge/regather"),
                                   ("bridge/regather", "bridge/gather"), ("regather/regather", "bridge/gather"),
-                                  ("rb/regather", "bridge/regather")])
+                                  ("rb/regather", "bridge/regather"), ("rb/regather", "regather/regather"),
+                                  ("rb/lowrank", "regather/lowrank")])
 def test_outputs_and_gradients_bit_identical(runs, pair):
     mine, bridge = pair
     for res in runs:
