@@ -33,12 +33,9 @@ the adapters.
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import dataclass, replace
 
-import torch
-
-from regather.testing.megatron_train import DDPOptions, TrainSpec, setup_parallel, train, warm_up
+from regather.testing.megatron_train import DDPOptions, TrainSpec, train_agreed, warm_up
 from regather.testing.models import TinyGPT
 
 STEPS, MICRO_BATCHES = 3, 4
@@ -147,13 +144,10 @@ def run_topology(rank: int, world_size: int, topology: str) -> dict:
     """Rank worker: every run of the topology's matrix, in order.
 
     Returns ``{"runs": {(case, strategy): {"result", "error", "seconds"}}}``. A failed run is
-    recorded, not raised. All ranks agree after each run whether it failed anywhere (an
-    all-reduce, which also lines them up again after a stage waited out megatron's group
-    timeout); when a case's ``gather`` run failed, its remaining runs are skipped (nothing to
-    compare them with).
+    recorded, not raised, and all ranks agree on it (``train_agreed``); when a case's
+    ``gather`` run failed, its remaining LoRA runs are skipped (nothing to compare them with,
+    and under PP each would wait out megatron's group timeout again).
     """
-    import torch.distributed as dist
-
     warm_up()
     runs: dict = {}
     for case in cases_for(topology):
@@ -163,20 +157,10 @@ def run_topology(rank: int, world_size: int, topology: str) -> dict:
                 runs[(case, strategy)] = {"result": None, "seconds": 0.0,
                                           "error": f"skipped: the case's gather run failed:\n{gather_failed}"}
                 continue
-            spec = spec_for(topology, case, strategy)
             t0 = time.perf_counter()
-            result, error = None, None
-            try:
-                setup_parallel(spec)
-                result = train(spec)
-            except Exception:  # noqa: BLE001 - reported per run
-                error = f"rank {rank}: {traceback.format_exc()}"
-            failed = torch.tensor([0 if error is None else 1])
-            dist.all_reduce(failed)
-            if failed.item() and error is None:
-                error = f"rank {rank}: failed on {failed.item()} other rank(s)"
+            result, error = train_agreed(spec_for(topology, case, strategy))
             runs[(case, strategy)] = {"result": result, "error": error,
                                       "seconds": time.perf_counter() - t0}
-            if strategy == "gather" and failed.item():
+            if strategy == "gather" and error is not None:
                 gather_failed = error
     return {"runs": runs}

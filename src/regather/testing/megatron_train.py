@@ -597,24 +597,25 @@ def warm_up() -> None:
     dist.barrier()
 
 
-def train_each(specs: list, barrier: bool = True) -> list:
-    """Run every spec in turn on this rank (fresh parallel state and models each), catching
-    failures: returns ``[(spec, result or None, traceback or None)]``.
+def train_agreed(spec: TrainSpec) -> tuple[Optional[dict], Optional[str]]:
+    """:func:`setup_parallel` + :func:`train` on this rank, a failure caught and agreed on.
 
-    A run that fails on some ranks only (e.g. one pipeline stage raises while its peer waits
-    in a p2p receive) leaves the peers blocked until megatron's group timeout
-    (``spec.timeout_minutes``); a barrier on the default group then lines all ranks up again
-    before the next run builds new groups.
+    Returns ``(result, None)``, or ``(None, traceback)`` when the run failed on any rank (a
+    rank that did not fail itself says so). A run that fails on some ranks only (one pipeline
+    stage raises while its peer waits in a p2p receive) leaves the peers blocked until
+    megatron's group timeout (``spec.timeout_minutes``); the closing all-reduce on the
+    default group lines every rank up again, and the next run builds new groups.
     """
     import torch.distributed as dist
 
-    results = []
-    for spec in specs:
-        try:
-            setup_parallel(spec)
-            results.append((spec, train(spec), None))
-        except Exception:  # noqa: BLE001 - reported per run
-            results.append((spec, None, traceback.format_exc()))
-        if barrier:
-            dist.barrier()
-    return results
+    result, error = None, None
+    try:
+        setup_parallel(spec)
+        result = train(spec)
+    except Exception:  # noqa: BLE001 - reported to the caller
+        error = f"rank {dist.get_rank()}: {traceback.format_exc()}"
+    failed = torch.tensor([0 if error is None else 1])
+    dist.all_reduce(failed)
+    if failed.item() and error is None:
+        result, error = None, f"rank {dist.get_rank()}: the run failed on {failed.item()} other rank(s)"
+    return result, error
