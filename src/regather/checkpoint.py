@@ -129,8 +129,17 @@ def is_adapter_key(key) -> bool:
 
 
 def adapter_only(state_dict: Mapping) -> dict:
-    """The adapter entries of a state dict or a sharded state dict (by dict key)."""
-    return {k: v for k, v in state_dict.items() if is_adapter_key(k)}
+    """The adapter weights of a state dict or a sharded state dict (by dict key).
+
+    The holders' ``_extra_state`` (always ``None``) is left out, as Megatron Bridge's adapter
+    filter leaves it out of every PEFT checkpoint: selecting it for ``dist_checkpointing.load``
+    would ask a Bridge adapter checkpoint for objects it does not hold.
+    """
+    return {k: v for k, v in state_dict.items() if is_adapter_key(k) and not _is_extra_state(k)}
+
+
+def _is_extra_state(key) -> bool:
+    return str(key).endswith("_extra_state")
 
 
 def base_only(state_dict: Mapping) -> dict:
@@ -163,17 +172,17 @@ def _load_part(model: nn.Module, state_dict: Mapping, adapter_part: bool) -> Non
     expected = {k for k in model.state_dict(keep_vars=True) if is_adapter_key(k) == adapter_part}
     given = _canonical(state_dict, _wrapper_paths(model))
     unexpected = sorted(k for k, c in given.items() if c not in expected)
-    # holders' _extra_state is always None: Bridge's adapter-only checkpoints leave it out
-    missing = sorted(k for k in expected - set(given.values())
-                     if not (adapter_part and k.endswith("._extra_state")))
+    # _extra_state may be absent, as megatron's own linears accept on load (they default it to
+    # None in a load pre-hook; GPTModel.sharded_state_dict drops output_layer's) and as Bridge's
+    # adapter checkpoints leave it out; every weight is required
+    missing = sorted(k for k in expected - set(given.values()) if not _is_extra_state(k))
     what = "adapter" if adapter_part else "frozen base"
     if unexpected or missing:
         raise KeyError(f"loading the {what} part of {type(model).__name__}: missing keys {missing[:8]}"
                        f"{'...' if len(missing) > 8 else ''} ({len(missing)}), unexpected keys "
                        f"{unexpected[:8]}{'...' if len(unexpected) > 8 else ''} ({len(unexpected)})")
     result = model.load_state_dict(dict(state_dict), strict=False)
-    left = [k for k in result.missing_keys if is_adapter_key(k) == adapter_part
-            and not k.endswith("._extra_state")]
+    left = [k for k in result.missing_keys if is_adapter_key(k) == adapter_part and not _is_extra_state(k)]
     if left or result.unexpected_keys:  # the checks above make this unreachable; never silent
         raise RuntimeError(f"loading the {what} part: missing {left}, unexpected {result.unexpected_keys}")
 
@@ -181,8 +190,9 @@ def _load_part(model: nn.Module, state_dict: Mapping, adapter_part: bool) -> Non
 def load_base_state_dict(model: nn.Module, state_dict: Mapping) -> None:
     """Load a frozen model's state dict (no adapter keys) into a LoRA-wrapped ``model``.
 
-    Strict for the base: every non-adapter key of ``model`` must be given and nothing else;
-    checked before anything is loaded. The adapters keep their weights.
+    Strict for the base: every non-adapter weight of ``model`` must be given and nothing else
+    (``_extra_state`` entries may be absent, as megatron's linears allow); checked before
+    anything is loaded. The adapters keep their weights.
     """
     _load_part(model, state_dict, adapter_part=False)
 
@@ -191,6 +201,6 @@ def load_adapter_state_dict(model: nn.Module, state_dict: Mapping) -> None:
     """Load an adapter-only state dict (e.g. Megatron Bridge's PEFT checkpoint) into ``model``.
 
     Strict for the adapters: every adapter weight of ``model`` must be given and nothing
-    else (``_extra_state`` entries may be absent); checked before anything is loaded.
+    else; checked before anything is loaded.
     """
     _load_part(model, state_dict, adapter_part=True)

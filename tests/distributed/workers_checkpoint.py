@@ -92,10 +92,11 @@ def partial_cases(rank, world):
         broken = {k: v for k, v in plain_sd.items() if not k.endswith("decoder.final_layernorm.weight")}
         res["missing_error"] = _error(lambda: checkpoint.load_base_state_dict(model2, broken))
         res["unchanged_after_error"] = all(torch.equal(before2[n], p) for n, p in _params(model2).items())
-        # adapter-only checkpoint from another adapter init, as Bridge saves them (no _extra_state)
+        # adapter-only checkpoint from another adapter init; like Bridge's, it holds no _extra_state
         src = _lora_model(strategy, adapter_seed=55)
-        only = {k: v for k, v in checkpoint.adapter_only(src.state_dict()).items() if "_extra_state" not in k}
-        res["adapter_only_keys_ok"] = bool(only) and all(checkpoint.is_adapter_key(k) for k in only)
+        only = checkpoint.adapter_only(src.state_dict())
+        res["adapter_only_keys_ok"] = bool(only) and all(checkpoint.is_adapter_key(k) and "_extra_state" not in k
+                                                         for k in only)
         dst = _lora_model(strategy, adapter_seed=56)
         base_before = {n: p for n, p in _params(dst).items() if ".adapter." not in n}
         checkpoint.load_adapter_state_dict(dst, only)
