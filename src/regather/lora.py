@@ -52,8 +52,19 @@ class LoRALinear(nn.Module):
         # reduce-scatter) against the unshared path; gather and regather stay bit-identical
         # to each other when both share.
         self.share_sequence_gather = False
+        self._adapter_enabled = True
+
+    def enable_adapter_layers(self) -> None:
+        """Megatron Bridge's PEFT protocol (``PEFT.enable_adapter_layers`` / ``disable_adapter``)."""
+        self._adapter_enabled = True
+
+    def disable_adapter_layers(self) -> None:
+        """Run the frozen base alone (e.g. reference outputs under Bridge's ``peft.disable_adapter``)."""
+        self._adapter_enabled = False
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
+        if not self._adapter_enabled:
+            return self.to_wrap(x, *args, **kwargs)
         # plan() first: with early re-gather it anchors x so LoRA-A's dA runs after the
         # base layer's dgrad too (regather.strategies.regather); otherwise x is unchanged.
         x, plan = self.adapter.plan(x)

@@ -118,3 +118,13 @@ def test_regather_bridge_lora_through_bridge_protocol(runs):
                     assert decision == strategy, (path, decision)
                 else:
                     assert decision.startswith(f"gather (asked {strategy}: base layer"), (path, decision)
+
+
+def test_bridge_disable_adapter_runs_the_frozen_base(runs):
+    """Bridge's ``peft.disable_adapter(model)`` reaches regather's wrappers
+    (``LoRALinear.disable_adapter_layers``): the frozen model's logits, exactly; enabled again after."""
+    for res in runs:
+        for strategy in ("regather", "lowrank"):
+            got = res[f"rb/{strategy}/disable_adapter"]
+            torch.testing.assert_close(got["disabled"], got["frozen"], rtol=0, atol=0)
+            assert not torch.equal(got["enabled"], got["frozen"])  # non-zero LoRA-B: the adapter was on

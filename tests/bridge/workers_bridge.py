@@ -153,6 +153,13 @@ def parity_worker(rank: int, world_size: int) -> dict:
         model = chunks[0]
         copy_adapters(reference, model)
         models[f"rb/{strategy}"] = model
+        inputs, _, position_ids, mask = batch
+        with torch.no_grad():
+            with peft.disable_adapter(chunks):  # Bridge's context manager: the frozen base alone
+                disabled = model(inputs, position_ids, mask)
+            enabled = model(inputs, position_ids, mask)
+            frozen = base_model()(inputs, position_ids, mask)
+        out[f"rb/{strategy}/disable_adapter"] = {"disabled": disabled, "enabled": enabled, "frozen": frozen}
         state = model.state_dict()
         out[f"rb/{strategy}/protocol"] = {
             "is_bridge_lora": isinstance(peft, bridge_peft().LoRA),
