@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from regather.testing.megatron_train import DDPOptions, TrainSpec, train_agreed, warm_up
+from regather.testing.megatron_train import DDPOptions, TrainSpec, teardown_parallel, train_agreed, warm_up
 from regather.testing.models import TinyGPT
 
 STEPS, MICRO_BATCHES = 3, 4
@@ -163,4 +163,5 @@ def run_topology(rank: int, world_size: int, topology: str) -> dict:
                                       "seconds": time.perf_counter() - t0}
             if strategy == "gather" and error is not None:
                 gather_failed = error
+    teardown_parallel()
     return {"runs": runs}

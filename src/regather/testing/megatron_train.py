@@ -280,10 +280,39 @@ class TrainSpec:
         return self.batch_p2p_comm if self.batch_p2p_comm is not None else self.vpp is None
 
 
+_GROUPS: list = []  # the process groups the last setup_parallel created (this rank)
+
+
+def _process_groups() -> list:
+    import torch.distributed as dist
+
+    return list(getattr(dist.distributed_c10d._world, "pg_map", {}))
+
+
+def teardown_parallel() -> None:
+    """Drop megatron's parallel state and destroy the process groups :func:`setup_parallel`
+    created. megatron's ``destroy_model_parallel`` only forgets its groups; each gloo group
+    keeps its threads (about three, each waking 100 times a second) until destroyed, so a
+    rank that rebuilt its state for every run would pile up thousands of them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    while _GROUPS:
+        group = _GROUPS.pop()
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - already gone, or broken by a timed-out op
+            pass
+
+
 def setup_parallel(spec: TrainSpec) -> None:
-    """Fresh megatron parallel state for ``spec`` (new process groups)."""
+    """Fresh megatron parallel state for ``spec``: the previous groups destroyed, new ones."""
     enable_megatron_training_cpu()
+    teardown_parallel()
+    before = set(_process_groups())
     init_model_parallel(spec.tp, spec.seed, pp=spec.pp, vpp=spec.vpp, timeout_minutes=spec.timeout_minutes)
+    _GROUPS.extend(g for g in _process_groups() if g not in before)
 
 
 def lora_config(spec: TrainSpec):
