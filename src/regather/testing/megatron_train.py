@@ -45,6 +45,13 @@ Facts this harness relies on (megatron-core 0.16.1 and 0.19.2, gloo):
 gloo's batched ``isend/irecv`` mixed up tensors with a virtual pipeline, so
 ``batch_p2p_comm`` is off there (design.md §8); megatron's DDP turns bucketing off
 on pipeline stages > 0 and for model chunks > 0 (as Megatron-LM asks).
+
+Running many configurations in one process group: :func:`setup_parallel` builds fresh
+megatron state per run and destroys the previous run's groups (:func:`teardown_parallel`;
+megatron's ``destroy_model_parallel`` alone leaks them with their gloo threads);
+:func:`train_agreed` makes every rank agree that a run failed, so the next run starts
+together. With the distributed optimizer only a rank's shard of ``main_grad`` is reduced;
+:func:`reduced_main_grads` all-gathers the shards into full copies to compare.
 """
 
 from __future__ import annotations
