@@ -39,8 +39,9 @@ test-distributed: venv
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
 
-# The distributed tests against megatron-core 0.19.2 (needs Python 3.12 on paper; it runs on
-# 3.11 when placed beside the pinned stack with PYTHONPATH, design.md §6; it imports triton).
+# The distributed and integration tests (megatron's DDP, optimizer, schedules, dist_checkpointing)
+# against megatron-core 0.19.2 (needs Python 3.12 on paper; it runs on 3.11 when placed beside the
+# pinned stack with PYTHONPATH, design.md §6; it imports triton).
 COMPAT_DIR := .venv-compat/mcore019
 COMPAT_PIN := megatron-core==0.19.2
 
@@ -52,7 +53,7 @@ $(COMPAT_DIR)/.installed: $(STAMP)
 .PHONY: test-compat
 test-compat: $(COMPAT_DIR)/.installed
 	PYTHONPATH=$(COMPAT_DIR) $(PY) -c "import megatron.core as m; assert m.__version__.startswith('0.19.2'), m.__version__"
-	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed
+	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed tests/integration
 
 # The tests against the real Megatron Bridge (tests/bridge; ~2 min on 2 cores). megatron-bridge 0.6.2 is a
 # pure-Python wheel that declares Python 3.12 and a GPU stack: it goes beside the pinned stack like

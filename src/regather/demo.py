@@ -115,5 +115,6 @@ def register(subparsers) -> None:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--timeout", type=float, default=170.0, help="seconds before the ranks are stopped")
+    p.add_argument("--timeout", type=float, default=170.0, help="expected seconds; ranks still computing are stopped after 3x this "
+                   "(REGATHER_TEST_TIMEOUT_SCALE), ranks making no progress after 60 s (REGATHER_STALL_TIMEOUT)")
     p.set_defaults(func=run)

@@ -14,7 +14,7 @@ import workers_bridge as W
 import workers_bridge_ckpt as C
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not bridge_available(), reason=INSTALL_HINT),
-              pytest.mark.timeout(300)]
+              pytest.mark.timeout(600)]
 
 N_ADAPTERS = 4 * W.SHAPE.num_layers
 

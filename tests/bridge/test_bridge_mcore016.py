@@ -14,7 +14,7 @@ import pytest
 from regather.testing.bridge_env import INSTALL_HINT, bridge_available
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not bridge_available(), reason=INSTALL_HINT),
-              pytest.mark.timeout(300)]
+              pytest.mark.timeout(600)]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,7 +35,7 @@ def test_bridge_peft_on_megatron_core_0_16_1():
         from regather.testing.dist import run_ranks
         print("RESULT", json.dumps(run_ranks(W.mcore016_worker, W.TP, timeout=200)))
     """)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=260)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     for res in json.loads(line[len("RESULT "):]):

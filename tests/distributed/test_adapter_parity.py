@@ -9,7 +9,7 @@ from regather.testing.dist import run_ranks
 from workers_adapter import count_collectives, run_adapter
 
 T = 2
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def _both(**kw):

@@ -8,7 +8,7 @@ from regather import cli
 from regather.bench import runner
 from regather.estimate import Model, Run, estimate
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def _estimate_for(spec: runner.BenchSpec) -> dict:

@@ -12,7 +12,7 @@ from regather.testing.dist import run_ranks
 from workers_checkpoint import QKV, key_cases, partial_cases
 
 T = 2
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,7 +7,7 @@ from regather.testing.dist import run_ranks
 
 from workers_comm import exercise_comm
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def test_collectives_sync_and_async():

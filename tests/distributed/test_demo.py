@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def test_demo_short_run_prints_identical_losses_and_bytes_cut_by_tp():

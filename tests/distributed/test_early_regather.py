@@ -13,7 +13,7 @@ from regather.testing.dist import run_ranks
 from workers_early import early_suite
 
 T = 2
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 ORDERS = ["seq", "f1 f2 b2 b1", "f1 f2 b1 b2", "joint"]
 
 

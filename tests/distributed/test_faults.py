@@ -12,7 +12,7 @@ from regather.testing.dist import RankFailed, run_ranks
 from workers_reliability import bad_inputs, raise_or_block
 
 T = 2
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 ALL = [s.value for s in Strategy]
 
 

@@ -13,7 +13,7 @@ from regather.testing.dist import run_ranks
 from workers_peft import merge_roundtrip
 
 T = 2
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

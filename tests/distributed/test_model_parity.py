@@ -10,7 +10,7 @@ from regather.testing.train import RunConfig, train_lora
 
 from workers_model import full_layout, odd_sequence_error
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 T = 2
 SHAPE = TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                 vocab_size=256, seq_length=32)

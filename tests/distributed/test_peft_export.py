@@ -9,7 +9,7 @@ from regather.testing.dist import run_ranks
 from workers_peft import peft_roundtrip
 
 T = 2
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 P = "base_model.model.model.layers"
 
 

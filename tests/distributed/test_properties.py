@@ -12,7 +12,7 @@ from regather.testing.dist import run_ranks
 from workers_reliability import property_cases
 
 T = 2
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 case = st.fixed_dictionaries({
     "s_local": st.integers(1, 4),

@@ -12,7 +12,7 @@ from regather.testing.dist import run_ranks
 from workers_reliability import recompute, schedules
 
 T = 2
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 OTHERS = [s.value for s in Strategy if s != Strategy.GATHER]
 
 

@@ -13,7 +13,7 @@ from regather.testing.dist import run_ranks
 from workers_te import run_te_route
 
 T = 2
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def _same(a, b, what):

@@ -51,7 +51,8 @@ def register(subparsers) -> None:
     g.add_argument("--warmup", type=int, default=d.warmup, help="first steps left out of the time median")
     g.add_argument("--strategies", type=_strategies, default=None,
                    help="comma list (default: all this build implements); gather is always included")
-    g.add_argument("--timeout", type=float, default=d.timeout, help="seconds before the ranks are killed")
+    g.add_argument("--timeout", type=float, default=d.timeout, help="expected seconds; ranks still computing are stopped after 3x this "
+                   "(REGATHER_TEST_TIMEOUT_SCALE), ranks making no progress after 60 s (REGATHER_STALL_TIMEOUT)")
     g.add_argument("--out", metavar="DIR", help="write bench.json, bench.md and bench.png here")
     g.add_argument("--quiet", action="store_true", help="no progress line")
     g.add_argument("--render", metavar="JSON", help="run nothing: print and re-write (with --out) the reports "
