@@ -5,7 +5,7 @@
 - :func:`decisions` — which strategy each adapter runs, and why
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from regather.adapter import Decision, ParallelLinearAdapter
 from regather.lora import LoRA, LoRALinear, adapters, decisions, set_strategy
