@@ -13,6 +13,10 @@ Parity:
   number of ranks, so the logits differ by rounding (measured: max 2.1e-7 at TP=1, 1.8e-7 at
   TP=4 for the plain GPT, logits of order 1).
 - adapter weights (TP-gathered ``A [r, h]``, ``B [o, r]``) and per-rank shards: always exact.
+
+A gated (SwiGLU) GPT too: ``linear_fc1``'s LoRA-B is ``[gate_i; up_i]`` on rank ``i``, so its
+global ``[2 * ffn, r]`` is all gate rows then all up rows (megatron's SwiGLU sharded factory, as
+for the base fc1 weight and in Megatron Bridge), not the ranks' shards one after another.
 """
 
 import pytest
@@ -20,7 +24,7 @@ import torch
 
 from regather.testing.dist import run_ranks
 
-from workers_ckpt import RANK_R, SHAPE, STRATEGIES, load_side, save_side
+from workers_ckpt import FC1, GATED_PAIRS, GATED_STRATEGIES, RANK_R, SHAPE, STRATEGIES, load_side, save_side
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -197,3 +201,104 @@ def test_plain_state_dict_roundtrip_strict(saved, pair):
     got = res[pair]
     assert_same_adapters(got["adapters"], got["src_adapters"])
     assert torch.equal(got["logits"], got["ref"])
+
+
+# -- gated (SwiGLU) linear_fc1: gate and up halves resharded apart -------------------------------
+
+FC1_B = f"decoder.layers.{FC1}.adapter.linear_out.weight"
+
+
+def swiglu_global(shards: list) -> torch.Tensor:
+    """Per-rank ``[gate_i; up_i]`` shards -> the unsharded ``[gate_0; ...; gate_{t-1}; up_0; ...;
+    up_{t-1}]`` (``[2 * ffn, r]``); one shard (TP=1) is the unsharded weight itself."""
+    halves = [b.chunk(2, 0) for b in shards]
+    return torch.cat([g for g, _ in halves] + [u for _, u in halves])
+
+
+def assert_same_gated_adapters(got: dict, want: dict, tp: int):
+    """Every LoRA-A and every LoRA-B but fc1's TP-gathered exact; fc1's LoRA-B exact in the
+    global gate-then-up layout, its shards ``[2 * ffn / tp, r]``."""
+    assert sorted(got["adapters"]) == sorted(want["adapters"])
+    for path, (w_a, w_b) in want["adapters"].items():
+        g_a, g_b = got["adapters"][path]
+        assert torch.equal(g_a, w_a), f"{path} LoRA-A differs (max {(g_a - w_a).abs().max():.3g})"
+        if not path.endswith(FC1):
+            assert torch.equal(g_b, w_b), f"{path} LoRA-B differs (max {(g_b - w_b).abs().max():.3g})"
+            continue
+        shards = got["fc1_b"][path]
+        assert len(shards) == tp and all(b.shape == (2 * FFN // tp, RANK_R) for b in shards), path
+        g, w = swiglu_global(shards), swiglu_global(want["fc1_b"][path])
+        assert g.shape == (2 * FFN, RANK_R)
+        assert torch.equal(g, w), f"{path} fc1 LoRA-B differs in the gate/up layout (max {(g - w).abs().max():.3g})"
+
+
+def test_gated_checkpoint_saved_by_a_gated_model(saved):
+    for s in GATED_STRATEGIES:
+        shards = case(saved[0], "gated_saved")[s]["fc1_b"]
+        assert len(shards) == L
+        for path, (b0, b1) in shards.items():
+            assert b0.shape == b1.shape == (2 * FFN // 2, RANK_R), path  # [gate_i; up_i], ffn=128
+            assert not torch.equal(b0, b1), path
+
+
+@pytest.mark.parametrize("pair", GATED_PAIRS)
+def test_gated_checkpoint_reloads_at_tp2_bit_exact(saved, pair):
+    s_saved, s_load = pair.split("->")
+    saver = case(saved[0], "gated_saved")[s_saved]
+    got = case(saved[0], "gated_loaded")[pair]
+    assert_same_gated_adapters(got, saver, 2)
+    assert torch.equal(got["logits"], saver["logits"][s_load])
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("pair", GATED_PAIRS)
+def test_gated_checkpoint_reshards_fc1_gate_and_up_apart(saved, reloaded, tp, pair):
+    s_saved, s_load = pair.split("->")
+    saver = case(saved[0], "gated_saved")[s_saved]
+    got = case(reloaded[tp], "gated_loaded")[pair]
+    assert_same_gated_adapters(got, saver, tp)
+    if tp == 1:  # spelled out: cat(gate_0, gate_1, up_0, up_1), not cat(shard_0, shard_1)
+        for path, (b0, b1) in saver["fc1_b"].items():
+            (full,) = got["fc1_b"][path]
+            half = FFN // 2
+            assert torch.equal(full, torch.cat([b0[:half], b1[:half], b0[half:], b1[half:]])), path
+            assert not torch.equal(full, torch.cat([b0, b1])), path
+    torch.testing.assert_close(got["logits"], saver["logits"][s_load], **RESHARD)
+
+
+def _assert_swiglu_factory(meta: dict, tp: int, rank: int, where: str):
+    """fc1's LoRA-B of every layer: a ShardedTensorFactory building this rank's gate rows at
+    ``rank * ffn / tp`` and up rows at ``ffn + rank * ffn / tp`` of the global ``[L, 2 * ffn, r]``,
+    exactly as megatron declares the base fc1 weight (``[2 * ffn, h]``)."""
+    local = FFN // tp
+    for layer in range(L):
+        prefix = f"decoder.layers.{layer}.{FC1}"
+        e, base, a = meta[f"{prefix}.adapter.linear_out.weight"], meta[f"{prefix}.weight"], \
+            meta[f"{prefix}.adapter.linear_in.weight"]
+        at = f"{prefix} ({where}, rank {rank})"
+        assert base["type"] == "ShardedTensorFactory", at  # the model is gated
+        assert e["type"] == "ShardedTensorFactory" and e["key"] == FC1_B, at
+        assert a["type"] == "ShardedTensor", at  # LoRA-A is not gated
+        gate, up = e["parts"]
+        base_gate, base_up = base["parts"]
+        for part, base_part, row in ((gate, base_gate, rank * local), (up, base_up, FFN + rank * local)):
+            assert part["type"] == "ShardedTensor", at
+            assert part["key"] == base_part["key"].replace(f"{FC1}.weight", f"{FC1}.adapter.linear_out.weight"), at
+            assert part["global_shape"] == (L, 2 * FFN, RANK_R), at
+            assert part["local_shape"] == (local, RANK_R), at
+            assert part["global_offset"] == (layer, row, 0), at
+            assert part["global_offset"][:2] == base_part["global_offset"][:2], at  # the base's rows
+            assert part["axis_fragmentations"] == (L, 2 * tp, 1) == base_part["axis_fragmentations"], at
+            assert part["replica_id"] == base_part["replica_id"], at
+
+
+@pytest.mark.parametrize("strategy", GATED_STRATEGIES)
+def test_gated_fc1_lora_b_is_declared_through_swiglu_factory(saved, strategy):
+    for rank in range(2):
+        _assert_swiglu_factory(case(saved[rank], "gated_saved")[strategy]["meta"], 2, rank, strategy)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_gated_fc1_lora_b_swiglu_factory_at_tp1_tp4(reloaded, tp):
+    s_load = GATED_PAIRS[-1].split("->")[1]  # the last model loaded
+    _assert_swiglu_factory(case(reloaded[tp], "gated_loaded")["meta"], tp, 0, s_load)

@@ -9,6 +9,9 @@ Three spawns share one checkpoint root:
 - :func:`load_side` (1 rank at TP=1, 4 ranks at TP=4) reloads the same
   checkpoints with other TP sizes.
 
+Besides the plain-GELU GPT, a gated (SwiGLU) one (``GATED``) is saved and reloaded
+by both spawns: its ``linear_fc1`` LoRA-B holds ``[gate_i; up_i]`` per rank.
+
 Every loading model is built from *other* seeds than the saving one, so equal
 outputs prove the load. Each case reports the ranks' tracebacks instead of its
 results when it fails, so one missing feature fails only its tests (see
@@ -23,6 +26,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from regather import LoRA, adapters, set_strategy
 from regather.comm import all_gather_dim
@@ -36,6 +40,12 @@ ALL_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 ATTN_TARGETS = ["linear_qkv", "linear_proj"]
 SAVE_SEEDS = (1234, 99)   # (base, LoRA) seeds of the saving models
 LOAD_SEEDS = (4321, 7)    # of every loading model: different weights until the load
+# SwiGLU MLP, as Qwen / Llama: linear_fc1 writes [gate; up] (2 * ffn outputs) per rank
+GATED = {"gated_linear_unit": True, "activation_func": F.silu}
+GATED_STRATEGIES = ("regather", "lowrank")
+# each strategy saves and each loads, across (same-strategy pairs are covered by the GELU GPT)
+GATED_PAIRS = ("regather->lowrank", "lowrank->regather")
+FC1 = "mlp.linear_fc1"
 
 
 AGREE_TIMEOUT_S = 30.0  # below the launcher's 60 s stall detection
@@ -53,12 +63,12 @@ def _setup(tp: int) -> None:
     init_model_parallel(tp)
 
 
-def plain_gpt(tp: int, seed: int):
-    return build_gpt(SHAPE, tp, seed=seed, init_parallel=False)
+def plain_gpt(tp: int, seed: int, **config):
+    return build_gpt(SHAPE, tp, seed=seed, init_parallel=False, **config)
 
 
-def lora_gpt(tp: int, strategy: str, seeds=SAVE_SEEDS, targets=ALL_TARGETS, b_init="normal"):
-    model = plain_gpt(tp, seeds[0])
+def lora_gpt(tp: int, strategy: str, seeds=SAVE_SEEDS, targets=ALL_TARGETS, b_init="normal", **config):
+    model = plain_gpt(tp, seeds[0], **config)
     torch.manual_seed(seeds[1])
     return LoRA(dim=RANK_R, alpha=32, target_modules=list(targets), lora_B_init_method=b_init,
                 sequence_parallel_input_strategy=strategy)(model, training=True)
@@ -84,6 +94,19 @@ def full_adapters(model) -> dict:
         if not a.replicated_a:
             A = all_gather_dim(A, a.tp_group, 0 if a.column_parallel else 1)
         out[path] = (A.clone(), all_gather_dim(a.linear_out.weight.detach(), a.tp_group, 0).clone())
+    return out
+
+
+def fc1_b_shards(model) -> dict:
+    """Every ``linear_fc1`` adapter's LoRA-B as its per-rank shards ``[B_0, ..., B_{t-1}]`` (each
+    ``[gate_i; up_i]`` in a gated MLP), by wrapped-linear path; the test composes the layout."""
+    out = {}
+    for path, a in adapters(model).items():
+        if path.endswith(FC1):
+            B = a.linear_out.weight.detach().contiguous()
+            parts = [torch.empty_like(B) for _ in range(a.tp_size)]
+            dist.all_gather(parts, B, group=a.tp_group)
+            out[path] = parts
     return out
 
 
@@ -135,11 +158,13 @@ def sharded_meta(model) -> dict:
     """Per entry of ``model.sharded_state_dict()`` (by its dict key): the checkpoint key and, for
     a ShardedTensor, ``global_shape``, ``global_offset``, ``axis_fragmentations``,
     ``local_shape`` (the shard's own shape, without the prepended layer axis),
-    ``prepend_axis_num`` and ``replica_id`` (as a tuple); other entries give their type name."""
+    ``prepend_axis_num`` and ``replica_id`` (as a tuple); a ShardedTensorFactory gives, as
+    ``parts``, the entries of the ShardedTensors it builds (what is written); other entries give
+    their type name."""
     from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    out = {}
-    for name, v in model.sharded_state_dict().items():
+    def describe(v) -> dict:
         entry = {"key": getattr(v, "key", None), "type": type(v).__name__}
         if isinstance(v, ShardedTensor):
             rid = v.replica_id if isinstance(v.replica_id, tuple) else (v.replica_id,)
@@ -147,8 +172,12 @@ def sharded_meta(model) -> dict:
                          axis_fragmentations=tuple(v.axis_fragmentations),
                          local_shape=tuple(v.local_shape), prepend_axis_num=v.prepend_axis_num,
                          replica_id=tuple(rid))
-        out[name] = entry
-    return out
+        elif isinstance(v, ShardedTensorFactory):
+            built = v.build()
+            entry["parts"] = [describe(p) for p in (built if isinstance(built, (list, tuple)) else [built])]
+        return entry
+
+    return {name: describe(v) for name, v in model.sharded_state_dict().items()}
 
 
 def _case(res: dict, name: str, fn) -> None:
@@ -269,7 +298,39 @@ def save_side(rank: int, world: int, root: str) -> dict:
     _case(res, "plain_state_dict", plain_state_dict)
 
     _case(res, "pretrained", lambda: _pretrained_into_lora(rank, tp, root))
+
+    def gated_saves():
+        out = {}
+        for s in GATED_STRATEGIES:
+            m = lora_gpt(tp, s, **GATED)
+            meta = {k: v for k, v in sharded_meta(m).items() if f".{FC1}." in k}  # every rank's
+            save(m, os.path.join(root, f"gated-{s}"))
+            refs = {}
+            for s_eval in GATED_STRATEGIES:
+                set_strategy(m, s_eval)
+                refs[s_eval] = logits(m)
+            set_strategy(m, s)
+            out[s] = {"meta": meta, **(_on_rank0(rank, {"logits": refs, "adapters": full_adapters(m),
+                                                        "fc1_b": fc1_b_shards(m)}) or {})}
+        return out
+
+    _case(res, "gated_saved", gated_saves)
+    _case(res, "gated_loaded", lambda: _gated_loads(rank, tp, root))
     return res
+
+
+def _gated_loads(rank: int, tp: int, root: str) -> dict:
+    """The gated TP=2 checkpoints into gated LoRA models at this TP size (GATED_PAIRS); rank 0's
+    results, and fc1's sharded entries."""
+    out = {}
+    for pair in GATED_PAIRS:
+        s_saved, s_load = pair.split("->")
+        m = lora_gpt(tp, s_load, LOAD_SEEDS, **GATED)
+        load(m, os.path.join(root, f"gated-{s_saved}"))
+        fc1_b = fc1_b_shards(m)
+        out[pair] = _on_rank0(rank, {"logits": logits(m), "adapters": full_adapters(m), "fc1_b": fc1_b})
+    out["meta"] = _on_rank0(rank, {k: v for k, v in sharded_meta(m).items() if f".{FC1}." in k})
+    return out
 
 
 def _pretrained_into_lora(rank: int, tp: int, root: str) -> dict:
@@ -331,4 +392,5 @@ def load_side(rank: int, world: int, root: str) -> dict:
 
     _case(res, "lora_loaded", lora_loads)
     _case(res, "pretrained", lambda: _pretrained_into_lora(rank, tp, root))
+    _case(res, "gated_loaded", lambda: _gated_loads(rank, tp, root))
     return res
