@@ -1,5 +1,7 @@
 """Checkpoints across Megatron Bridge 0.6.2 and regather: megatron ``dist_checkpointing``
-(torch_dist, saved at TP=2, loaded at TP=2 and TP=1; workers_bridge_ckpt.dist_checkpoint_worker).
+(torch_dist, saved at TP=2, loaded at TP=2 and TP=1; workers_bridge_ckpt.dist_checkpoint_worker);
+also a gated (SwiGLU) MLP at TP=2, whose linear_fc1 LoRA-B both declare through megatron's
+SwiGLU sharded factory.
 
 Bridge's side runs Bridge's own code: its model section (``_generate_model_state_dict``) and
 adapter filter (``apply_peft_adapter_filter_to_state_dict``) for saving, ``load_peft_adapter_checkpoint``
@@ -58,3 +60,15 @@ def test_tp2_checkpoints_load_at_tp1(dist_runs, direction):
         r = res[direction]
         assert r["weights_equal"]  # the TP=1 adapters are the TP=2 shards put together, exactly
         assert r["loss_diff"] < 1e-5  # TP=1 vs TP=2: another summation order
+
+
+@pytest.mark.parametrize("direction", ["gated: bridge->regather", "gated: bridge->lowrank", "gated: regather->bridge"])
+def test_gated_fc1_dist_checkpoints_cross_load(dist_runs, direction):
+    """Same TP: a plain ShardedTensor on one side would give rank 0 ``[gate_0; gate_1]`` of the
+    other's ``[gate_0; gate_1; up_0; up_1]`` and change the outputs."""
+    tol = 1e-6 if "lowrank" in direction else 0.0
+    for res in dist_runs:
+        assert res["gated: bridge fc1 LoRA-B is a factory"] and res["gated: regather fc1 LoRA-B is a factory"]
+        r = res[direction]
+        assert r["before"] > 1e-3, r  # other adapter weights until the load
+        assert r["after"] <= tol, r

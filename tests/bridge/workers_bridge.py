@@ -10,6 +10,7 @@ all models compute the same function.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from regather.testing.models import TinyGPT, build_gpt, gpt_batch
 
@@ -18,6 +19,8 @@ SHAPE = TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_
 TP, MICRO_BATCH, DIM, ALPHA = 2, 2, 8, 16
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 SEED = 1234
+# SwiGLU MLP (Qwen / Llama): pass as ``config=GATED``; linear_fc1's LoRA-B is [gate_i; up_i] per rank
+GATED = {"gated_linear_unit": True, "activation_func": F.silu}
 
 
 def bridge_peft():
@@ -26,8 +29,9 @@ def bridge_peft():
     return import_bridge_peft()
 
 
-def base_model(tp: int = TP):
-    return build_gpt(SHAPE, tp, sequence_parallel=True, dtype=torch.float32, seed=SEED)
+def base_model(tp: int = TP, config: dict | None = None):
+    """``config``: TransformerConfig overrides (e.g. ``GATED``)."""
+    return build_gpt(SHAPE, tp, sequence_parallel=True, dtype=torch.float32, seed=SEED, **(config or {}))
 
 
 def bridge_lora(regather: bool, **kw):
@@ -36,16 +40,16 @@ def bridge_lora(regather: bool, **kw):
                               sequence_parallel_input_regather=regather, **kw)
 
 
-def bridge_model(regather: bool, tp: int = TP, **kw):
-    model = base_model(tp)
+def bridge_model(regather: bool, tp: int = TP, config: dict | None = None, **kw):
+    model = base_model(tp, config)
     torch.manual_seed(SEED + 7)  # Bridge's adapter init draws from the default generator
     return bridge_lora(regather, **kw)([model], training=True)[0]
 
 
-def regather_model(strategy: str, tp: int = TP, adapter_seed: int = SEED + 11, **kw):
+def regather_model(strategy: str, tp: int = TP, adapter_seed: int = SEED + 11, config: dict | None = None, **kw):
     from regather import LoRA
 
-    model = base_model(tp)
+    model = base_model(tp, config)
     torch.manual_seed(adapter_seed)  # regather's adapter init (an init other than Bridge's)
     return LoRA(target_modules=list(TARGETS), dim=DIM, alpha=ALPHA, sequence_parallel_input_strategy=strategy,
                 **kw)(model, training=True)

@@ -224,6 +224,8 @@ def dist_checkpoint_worker(rank: int, world_size: int, root: str) -> dict:
             bridge_utils.load_peft_adapter_checkpoint([target], f"{root}/{source}", peft, fully_parallel_load=False)
             out[f"{source}->bridge"] = _diff(mine_out, _outputs(target, batch), rank)
 
+    out.update(_gated_dist_checkpoints(rank, root, batch, peft, bridge_ckpt, bridge_utils))
+
     # TP=1 (the two ranks become data-parallel replicas): both TP=2 checkpoints load; the
     # TP=1 models hold the full weights of the TP=2 ones and give their per-token losses
     model = W.regather_model("gather", tp=1, lora_B_init_method="normal")
@@ -240,4 +242,37 @@ def dist_checkpoint_worker(rank: int, world_size: int, root: str) -> dict:
     out["tp1: lowrank->bridge"] = {
         "weights_equal": _same_weights(_full_adapter_weights(target), mine_weights),
         "loss_diff": float((tp1["loss"] - mine_out["loss"]).abs().max())}
+    return out
+
+
+def _gated_dist_checkpoints(rank, root, batch, peft, bridge_ckpt, bridge_utils) -> dict:
+    """A gated (SwiGLU) MLP, TP=2: linear_fc1's LoRA-B is ``[gate_i; up_i]`` on rank ``i`` and both
+    implementations declare it through megatron's SwiGLU sharded factory (global: all gate rows,
+    then all up rows). Bridge's full checkpoint into regather (strict); regather's into Bridge
+    the Bridge way (base into the unwrapped model, then ``load_peft_adapter_checkpoint``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    fc1_b = "decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight"
+    out = {}
+    bridge = W.bridge_model(regather=False, config=W.GATED)
+    ref = _outputs(bridge, batch)
+    section = bridge_ckpt._generate_model_state_dict([bridge])
+    out["gated: bridge fc1 LoRA-B is a factory"] = isinstance(bridge.sharded_state_dict()[fc1_b], ShardedTensorFactory)
+    _save(section, f"{root}/gated_bridge_full")
+    for strategy in ("regather", "lowrank"):
+        model = W.regather_model(strategy, lora_B_init_method="normal", config=W.GATED)
+        before = _diff(_outputs(model, batch), ref, rank)
+        model.load_state_dict(_dist_load(model, f"{root}/gated_bridge_full"), strict=True)
+        out[f"gated: bridge->{strategy}"] = {"before": before, "after": _diff(_outputs(model, batch), ref, rank)}
+
+    mine = W.regather_model("regather", lora_B_init_method="normal", adapter_seed=5, config=W.GATED)
+    out["gated: regather fc1 LoRA-B is a factory"] = isinstance(mine.sharded_state_dict()[fc1_b], ShardedTensorFactory)
+    mine_out = _outputs(mine, batch)
+    _save({"model": mine.sharded_state_dict()}, f"{root}/gated_regather_full")
+    base = W.base_model(config=W.GATED)
+    base.load_state_dict(_dist_load(base, f"{root}/gated_regather_full"), strict=True)
+    target = W.bridge_lora(regather=True)([base], training=True)[0]
+    before = _diff(mine_out, _outputs(target, batch), rank)
+    bridge_utils.load_peft_adapter_checkpoint([target], f"{root}/gated_regather_full", peft, fully_parallel_load=False)
+    out["gated: regather->bridge"] = {"before": before, "after": _diff(mine_out, _outputs(target, batch), rank)}
     return out
