@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -54,23 +54,16 @@ from regather import accounting, checkpoint, comm, debug
 from regather.buffers import ScratchPool, default_pool
 from regather.eligibility import AdapterFacts, RunState, unsupported_reason
 from regather.strategies import Strategy
-from regather.strategies.gather import gather_linear_a
 from regather.strategies.lowrank import (
     GRAD_ALLREDUCE_BACKWARD,
     GRAD_ALLREDUCE_FINALIZE,
     GRAD_ALLREDUCE_MODES,
-    lowrank_linear_a,
     replicated_shard,
     shard_rows,
 )
-from regather.strategies.pregathered import pregathered_linear_a
-from regather.strategies.regather import (
-    RegatherSlot,
-    anchor,
-    new_slot,
-    regather_linear_a,
-    regather_shared_linear_a,
-)
+from regather.strategies.paths import PathArgs, lookup
+from regather.strategies.regather import RegatherSlot, anchor, new_slot
+from regather.strategies.saved_input import KEEP, Recomputed
 from regather.strategies.wgrad import linear
 
 logger = logging.getLogger("regather")
@@ -95,16 +88,25 @@ _INFO_REASONS = ("module is in eval mode", "autograd is disabled", "running insi
 
 @dataclass(frozen=True)
 class Decision:
-    """Which strategy an adapter asked for, which one runs, and why."""
+    """Which strategy an adapter asked for, which one runs, and why; and, with
+    ``recompute_adapter_inputs``, whether its saved input is recomputed (from which producer)
+    or kept (and why)."""
 
     requested: Strategy
     used: Strategy
     reason: Optional[str]  # None when ``used == requested``
+    recompute: Optional[str] = None  # the producer the input is recomputed from
+    recompute_reason: Optional[str] = None  # why it is kept although recompute was asked
 
     def __str__(self) -> str:
-        if self.used == self.requested:
-            return f"{self.used.value}"
-        return f"{self.used.value} (asked {self.requested.value}: {self.reason})"
+        text = f"{self.used.value}"
+        if self.used != self.requested:
+            text += f" (asked {self.requested.value}: {self.reason})"
+        if self.recompute:
+            text += f", input recomputed from {self.recompute}"
+        elif self.recompute_reason:
+            text += f", input kept (recompute asked: {self.recompute_reason})"
+        return text
 
 
 def init_weight_(weight: torch.Tensor, method: str) -> torch.Tensor:
@@ -194,6 +196,7 @@ class ParallelLinearAdapter(nn.Module):
         early_regather: bool = True,
         lowrank_grad_allreduce: str = GRAD_ALLREDUCE_BACKWARD,
         gradient_accumulation_fusion: Optional[bool] = None,
+        recompute_inputs: bool = False,
         params_dtype: Optional[torch.dtype] = None,
         device=None,
         pool: Optional[ScratchPool] = None,
@@ -222,6 +225,13 @@ class ParallelLinearAdapter(nn.Module):
             gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.pool = pool
+        # LoRA(recompute_adapter_inputs=True): save what the input's producer keeps
+        # (regather.producers); the producer is attached by regather.LoRA from the model
+        self.recompute_inputs = bool(recompute_inputs)
+        self.producer = None
+        self.producer_reason: Optional[str] = "no producer attached (the adapter was built outside regather.LoRA)"
+        self._recompute_verified = False
+        self._logged_recompute = False
         self._activation = ACTIVATIONS[activation]
         self.facts = AdapterFacts(
             base_name=base_name,
@@ -318,12 +328,70 @@ class ParallelLinearAdapter(nn.Module):
 
     # -- decisions ---------------------------------------------------------------
     def decide(self) -> Decision:
-        """The strategy this adapter would use if called now, and why."""
-        if self.strategy == Strategy.GATHER:
-            return Decision(Strategy.GATHER, Strategy.GATHER, None)
+        """The strategy this adapter would use if called now, and why (the recompute part as far
+        as it is known before a forward: each forward also checks its producer, see ``last_decision``)."""
         state = RunState.capture(self, self.linear_in.weight)
-        reason = unsupported_reason(self.facts, self.config, state)
-        return Decision(self.strategy, Strategy.GATHER if reason else self.strategy, reason)
+        if self.strategy == Strategy.GATHER:
+            decision = Decision(Strategy.GATHER, Strategy.GATHER, None)
+        else:
+            reason = unsupported_reason(self.facts, self.config, state)
+            decision = Decision(self.strategy, Strategy.GATHER if reason else self.strategy, reason)
+        if not self.recompute_inputs or not (state.training and state.grad_enabled):
+            return decision  # nothing is saved for backward in eval / no_grad
+        why = self._recompute_unsupported(decision, state)
+        if why is not None:
+            return replace(decision, recompute_reason=why)
+        return replace(decision, recompute=self.producer.name)
+
+    def _recompute_unsupported(self, decision: Decision, state: RunState) -> Optional[str]:
+        path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel)
+        if not path.recomputes:
+            return (f"the {path.name} path keeps its input as it is (recompute of a column-parallel "
+                    f"adapter's input needs regather or lowrank)")
+        if state.in_recompute:
+            return "running inside activation checkpointing (its recompute must save what forward saved)"
+        if self.dropout is not None and self.dropout_position == "pre":
+            return "dropout is applied to the adapter input (dropout_position='pre')"
+        if self.producer is None:
+            return self.producer_reason
+        return None
+
+    def _input_source(self, x: torch.Tensor, plan: Plan):
+        """KEEP, or a Recomputed source when this forward's producer checks pass (updates the
+        plan's decision with the outcome)."""
+        decision = plan.decision
+        if decision.recompute is None:
+            self._log_recompute(decision)
+            return KEEP
+        captured = self.producer.capture(x)
+        if not isinstance(captured, str) and not self._recompute_verified:
+            captured = self._verify_recompute(x, captured)
+        if isinstance(captured, str):
+            plan.decision = self.last_decision = replace(decision, recompute=None, recompute_reason=captured)
+            self._log_recompute(plan.decision)
+            return KEEP
+        return Recomputed(self.producer, captured)
+
+    def _verify_recompute(self, x: torch.Tensor, captured: tuple):
+        """First recompute of this adapter: bit-identical to the forward's input, or switched off."""
+        with torch.no_grad():
+            again = self.producer.recompute(*captured)
+        if again.shape == x.shape and again.dtype == x.dtype and torch.equal(again, x):
+            self._recompute_verified = True
+            return captured
+        diff = (again.float() - x.float()).abs().max().item() if again.shape == x.shape else "shape"
+        self.producer_reason = (f"recomputing {self.producer.name} does not reproduce the adapter input "
+                                f"bit for bit (max |diff| {diff}); the input is kept")
+        self.producer = None
+        return self.producer_reason
+
+    def _log_recompute(self, decision: Decision) -> None:
+        if self._logged_recompute or decision.recompute_reason is None:
+            return
+        self._logged_recompute = True
+        logger.log(logging.WARNING if "bit for bit" in decision.recompute_reason else logging.INFO,
+                   "LoRA adapter on %s: recompute_adapter_inputs requested, keeping the input: %s",
+                   getattr(self, "qualified_name", self.facts.base_name), decision.recompute_reason)
 
     def _log_fallback(self, decision: Decision) -> None:
         if self._logged or decision.reason is None:
@@ -403,6 +471,8 @@ class ParallelLinearAdapter(nn.Module):
             raise ValueError(f"LoRA adapter on {self.facts.base_name!r}: input_gathered=True needs a "
                              f"column-parallel base with sequence parallelism on the gather path "
                              f"(this forward uses {decision.used.value})")
+        source = self._input_source(x, plan)  # before dropout: x is the producer's output
+        decision = plan.decision
         if self.dropout is not None and self.dropout_position == "pre":
             x = self.dropout(x)
         group, fuse = self.tp_group, self.gradient_accumulation_fusion
@@ -410,26 +480,13 @@ class ParallelLinearAdapter(nn.Module):
         lowrank = self.column_parallel and self.sequence_parallel and decision.used == Strategy.LOWRANK
         if self.replicated_a and not lowrank:  # fallback: this rank's rows, grads completed over TP
             a = replicated_shard(a, self.tp_rank, self.tp_size, group, fuse, self.lowrank_reduce_in_backward)
-
+        path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel,
+                      shared=x_full is not None, gathered=input_gathered)
+        args = PathArgs(group=group, fuse=fuse, pool=self.pool or default_pool(), slot=slot, source=source,
+                        x_full=x_full, reduce_dA=self.lowrank_reduce_in_backward)
         # what LoRA-A saves is counted apart, per base layer (accounting.SavedBytes.of)
         with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.facts.base_name}"):
-            if lowrank:
-                mid = lowrank_linear_a(x, a, group, fuse, self.lowrank_reduce_in_backward)
-            elif self.column_parallel:
-                if x_full is not None and decision.used == Strategy.REGATHER:
-                    mid = regather_shared_linear_a(x_full, x, a, group, fuse, self.pool or default_pool(), slot)
-                elif x_full is not None:  # gather path on the shared input
-                    mid = pregathered_linear_a(x_full, a, fuse)
-                elif self.sequence_parallel and decision.used == Strategy.REGATHER:
-                    mid = regather_linear_a(x, a, group, fuse, self.pool or default_pool(), slot)
-                elif self.sequence_parallel and input_gathered:  # no second gather
-                    mid = pregathered_linear_a(x, a, fuse)
-                elif self.sequence_parallel:
-                    mid = gather_linear_a(x, a, group, fuse)
-                else:  # replicated input: all-reduce its gradient
-                    mid = linear(mappings.copy_to_tensor_model_parallel_region(x, group=group), a, fuse)
-            else:
-                mid = linear(x, a, fuse)
+            mid = path(x, a, args)
         if self.column_parallel and not lowrank:  # lowrank's mid is already [s, b, r], complete
             mid = mappings.gather_from_tensor_model_parallel_region(mid, group=group)
         elif not self.column_parallel:

@@ -148,9 +148,8 @@ def base_only(state_dict: Mapping) -> dict:
 
 
 def _wrapper_paths(model: nn.Module) -> list[str]:
-    from regather.lora import LoRALinear
-
-    return [path for path, m in model.named_modules() if isinstance(m, LoRALinear)]
+    # LoRALinear marks itself (no import of regather.lora here: lora -> adapter -> checkpoint)
+    return [path for path, m in model.named_modules() if getattr(m, "_regather_wrapper", False)]
 
 
 def _canonical(keys: Iterable[str], wrappers: list[str]) -> dict[str, str]:

@@ -15,8 +15,9 @@ ranks that skip it (until the process-group timeout).
 
 Model level: the base linear gathers its input before the adapter runs, so to
 catch a mismatch before megatron's own collectives, call
-:func:`install_shape_checks` on the LoRA-wrapped model: it registers a forward
-pre-hook on every :class:`~regather.lora.LoRALinear`.
+:func:`regather.lora.install_shape_checks` on the LoRA-wrapped model: it registers a
+forward pre-hook on every :class:`~regather.lora.LoRALinear`. (This module imports nothing of
+the adapter's, so ``adapter -> debug`` stays a leaf import.)
 """
 
 from __future__ import annotations
@@ -67,23 +68,3 @@ def maybe_check_adapter_input(adapter, x: torch.Tensor) -> None:
     if shapes_enabled(adapter):
         name = getattr(adapter, "qualified_name", None) or adapter.facts.base_name
         check_same_shape(x, adapter.tp_group, f"LoRA adapter on {name!r}")
-
-
-def install_shape_checks(model: torch.nn.Module) -> list:
-    """Check every LoRA-wrapped linear's input across its TP group before the base layer runs.
-
-    Returns the hook handles (``handle.remove()`` turns a check off).
-    """
-    from regather.lora import LoRALinear
-
-    handles = []
-    for path, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            group = module.adapter.tp_group
-
-            def hook(mod, args, _group=group, _path=path):
-                if args and isinstance(args[0], torch.Tensor):
-                    check_same_shape(args[0], _group, f"LoRA linear {_path!r}")
-
-            handles.append(module.register_forward_pre_hook(hook))
-    return handles

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from regather import checkpoint, te
+from regather import checkpoint, debug, te
 from regather.adapter import ACTIVATIONS, DROPOUT_POSITIONS, INIT_METHODS, Decision, ParallelLinearAdapter
 from regather.strategies import Strategy
 
@@ -38,6 +38,8 @@ class LoRALinear(nn.Module):
     checkpoint), the adapter's under ``adapter.``; ``sharded_state_dict`` declares both for
     megatron's ``dist_checkpointing``.
     """
+
+    _regather_wrapper = True  # how regather.checkpoint recognises a wrapper without importing this module
 
     def __init__(self, to_wrap: nn.Module, adapter: ParallelLinearAdapter):
         super().__init__()
@@ -141,6 +143,10 @@ class LoRA:
     # gather the input of a frozen ColumnParallelLinear once for base and adapter
     # (LoRALinear.share_sequence_gather); opt-in, see there.
     share_sequence_gather: bool = False
+    # save what each adapter input's producer already keeps (the norm's input, fc1's output
+    # before the activation) and recompute the input in backward: qkv/fc1 with regather or
+    # lowrank, fc2 with every strategy (regather.producers); bit-identical, 0 new bytes.
+    recompute_adapter_inputs: bool = False
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
@@ -219,6 +225,8 @@ class LoRA:
             wrapped = LoRALinear(module, adapter)
             wrapped.share_sequence_gather = self.share_sequence_gather
             setattr(parent, attr, wrapped)
+        if self.recompute_adapter_inputs:  # after every wrap: producers hook the final modules
+            attach_producers(model)
         _install_sequence_check(model)
         model.train(training)
         return model
@@ -249,11 +257,25 @@ class LoRA:
             strategy=self.strategy,
             early_regather=self.early_regather,
             lowrank_grad_allreduce=self.lowrank_grad_allreduce,
+            recompute_inputs=self.recompute_adapter_inputs,
             params_dtype=weight.dtype,
             device=weight.device,
         )
         adapter.qualified_name = path
         return adapter
+
+
+def attach_producers(model: nn.Module) -> None:
+    """Find each recomputing adapter's producer in ``model`` (or the reason there is none)."""
+    from regather.producers import find_producer
+
+    for path, wrapper in model.named_modules():
+        if isinstance(wrapper, LoRALinear) and wrapper.adapter.recompute_inputs:
+            found = find_producer(model, path, wrapper)
+            if isinstance(found, str):
+                wrapper.adapter.producer, wrapper.adapter.producer_reason = None, found
+            else:
+                wrapper.adapter.producer, wrapper.adapter.producer_reason = found, None
 
 
 def adapters(model: nn.Module) -> dict[str, ParallelLinearAdapter]:
@@ -316,3 +338,21 @@ def _install_sequence_check(model: nn.Module) -> None:
             )
 
     model._regather_seq_check = model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def install_shape_checks(model: torch.nn.Module) -> list:
+    """Check every LoRA-wrapped linear's input across its TP group before the base layer runs.
+
+    Returns the hook handles (``handle.remove()`` turns a check off).
+    """
+    handles = []
+    for path, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            group = module.adapter.tp_group
+
+            def hook(mod, args, _group=group, _path=path):
+                if args and isinstance(args[0], torch.Tensor):
+                    debug.check_same_shape(args[0], _group, f"LoRA linear {_path!r}")
+
+            handles.append(module.register_forward_pre_hook(hook))
+    return handles

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from regather.strategies.path import LoraAPath
 from regather.strategies.wgrad import linear
 
 
@@ -31,3 +32,7 @@ def gather_linear_a(x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bo
 
     x_full = gather_from_sequence_parallel_region(x_local, tensor_parallel_output_grad=True, group=group)
     return linear(x_full, weight, fuse)
+
+
+GATHER = LoraAPath("gather", saves="x_full [s, b, h]", sends="forward: all-gather x; backward: reduce-scatter dX",
+                   recomputes=False, fn=lambda x, weight, args: gather_linear_a(x, weight, args.group, args.fuse))

@@ -55,6 +55,8 @@ from typing import Optional
 import torch
 
 from regather import comm
+from regather.strategies.path import LoraAPath
+from regather.strategies.saved_input import KEEP
 from regather.strategies.wgrad import main_grad_placeholder, weight_grad
 
 GRAD_ALLREDUCE_BACKWARD = "backward"
@@ -103,30 +105,31 @@ class LowRankLinearA(torch.autograd.Function):
     """``mid = all_gather_s(x_local A^T)`` with ``dA`` summed over the TP group (see module doc)."""
 
     @staticmethod
-    def forward(ctx, x_local, weight, group, fuse, reduce_dA):
+    def forward(ctx, x_local, weight, group, fuse, reduce_dA, source):
         mid_local = torch.matmul(x_local, weight.t())
         mid = comm.all_gather_seq(mid_local, group)
-        ctx.save_for_backward(x_local)
+        ctx.save_for_backward(*source.save(x_local))  # x_local, or what its producer keeps
         ctx.weight = weight  # a parameter: kept on ctx so main_grad survives (see LinearWithWgrad)
-        ctx.group, ctx.fuse, ctx.reduce_dA = group, fuse, reduce_dA
+        ctx.group, ctx.fuse, ctx.reduce_dA, ctx.source = group, fuse, reduce_dA, source.handle()
         return mid
 
     @staticmethod
     def backward(ctx, grad_mid):
-        (x_local,), weight, group = ctx.saved_tensors, ctx.weight, ctx.group
+        weight, group = ctx.weight, ctx.group
         grad_mid_local = comm.reduce_scatter_seq(grad_mid, group)  # sums the TP partials
         grad_w = None
         if ctx.needs_input_grad[1]:
+            x_local = ctx.source.load(ctx.saved_tensors)
             grad_w = _partial_dA(weight, grad_mid_local, x_local, group, ctx.fuse, ctx.reduce_dA)
         grad_x = grad_mid_local.matmul(weight) if ctx.needs_input_grad[0] else None  # overlaps the all-reduce
         if isinstance(grad_w, _PartialGrad):
             grad_w = grad_w.finish()
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
-def lowrank_linear_a(x_local, weight, group, fuse: bool, reduce_dA: bool = True) -> torch.Tensor:
+def lowrank_linear_a(x_local, weight, group, fuse: bool, reduce_dA: bool = True, source=KEEP) -> torch.Tensor:
     """``[s/t, b, h] -> [s, b, r]`` with a replicated ``weight [r, h]``."""
-    return LowRankLinearA.apply(x_local, weight, group, fuse, reduce_dA)
+    return LowRankLinearA.apply(x_local, weight, group, fuse, reduce_dA, source)
 
 
 def shard_rows(r: int, rank: int, t: int) -> slice:
@@ -176,3 +179,9 @@ class ReplicatedShard(torch.autograd.Function):
 def replicated_shard(weight, rank: int, t: int, group, fuse: bool, reduce_dA: bool = True):
     # grad mode is off inside Function.forward: decide here whether a main_grad buffer is needed
     return ReplicatedShard.apply(weight, rank, t, group, fuse and torch.is_grad_enabled(), reduce_dA)
+
+
+LOWRANK = LoraAPath(
+    "lowrank", saves="x_local [s/t, b, h] (or what its producer keeps)",
+    sends="forward: all-gather mid (r wide); backward: reduce-scatter dmid, all-reduce dA (r x h)", recomputes=True,
+    fn=lambda x, weight, args: lowrank_linear_a(x, weight, args.group, args.fuse, args.reduce_dA, args.source))

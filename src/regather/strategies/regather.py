@@ -59,10 +59,16 @@ input requires grad (otherwise nothing would call the anchor's backward); then
 ``x_full`` (``s*b*h``) is alive during the base dgrad instead of after it —
 transient, one per adapter in flight, never carried across layers.
 
-The slot holds ``x_local`` (the tensor also saved through
-``save_for_backward``, so no new memory) and checks its version counter before
+The slot holds what the forward saved for ``x_local`` (the same tensors as
+``save_for_backward``, so no new memory) and checks their version counters before
 gathering, as autograd does for saved tensors. Micro-batches may interleave
 (fwd1 fwd2 bwd2 bwd1): each forward's hook, Functions and lease are its own.
+
+Where ``x_local`` comes from is the path's *source*
+(:mod:`regather.strategies.saved_input`): kept as is, or recomputed from what its
+producer (the LayerNorm) already keeps — then the slot recomputes it just before the
+gather, when the gather would start anyway (early: at the output-gradient hook), and
+holds the recomputed shard only until ``dA`` has read the gathered copy.
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ import torch
 
 from regather import comm
 from regather.buffers import ScratchPool, default_pool
+from regather.strategies.path import LoraAPath
+from regather.strategies.saved_input import KEEP
 from regather.strategies.wgrad import weight_grad
 
 FORWARD_SCRATCH = "regather.forward.x_full"
@@ -108,34 +116,36 @@ WAIT_CLOCK = WaitClock()
 class RegatherSlot:
     """The backward state of one regather forward: its gather, lease and deferred ``dA``."""
 
-    __slots__ = ("x_local", "version", "group", "pool", "early", "defer",
+    __slots__ = ("source", "saved", "versions", "x_local", "group", "pool", "early", "defer",
                  "lease", "pending", "grad_mid", "weight", "fuse")
 
     def __init__(self, group, pool: ScratchPool, early: bool, defer: bool):
         self.group, self.pool, self.early, self.defer = group, pool, early, defer
-        self.x_local = self.version = None
+        self.source, self.saved, self.versions, self.x_local = KEEP, None, None, None
         self.lease = self.pending = None
         self.grad_mid = self.weight = self.fuse = None
 
-    def bind(self, x_local: torch.Tensor) -> None:
-        """Called by the forward: the shard to gather in backward."""
-        self.x_local, self.version = x_local, x_local._version
+    def bind(self, source, saved) -> None:
+        """Called by the forward: what was saved for the shard, and how to load it."""
+        self.source, self.saved = source, tuple(saved)
+        self.versions = tuple(None if t is None else t._version for t in self.saved)
 
     def on_output_grad(self, grad):
         """Tensor hook on the adapter output: start the gather now."""
-        if self.x_local is not None:
+        if self.saved is not None:
             self.start_gather()
         return None
 
     def start_gather(self) -> None:
         if self.pending is not None:
             return
-        x = self.x_local
-        if x._version != self.version:
-            raise RuntimeError(
-                f"regather: the adapter input was modified in place after forward "
-                f"(version {self.version} -> {x._version}); it is needed for LoRA-A's gradient"
-            )
+        for t, version in zip(self.saved, self.versions):
+            if t is not None and t._version != version:
+                raise RuntimeError(
+                    f"regather: the adapter input was modified in place after forward "
+                    f"(version {version} -> {t._version}); it is needed for LoRA-A's gradient"
+                )
+        x = self.x_local = self.source.load(self.saved)  # alive until the gather has read it
         t = comm.world_size(self.group)
         self.lease = self.pool.acquire(BACKWARD_SCRATCH, _full_shape(x, t), x.dtype, x.device)
         self.pending = comm.all_gather_seq(x, self.group, out=self.lease.tensor, async_op=True)
@@ -146,15 +156,16 @@ class RegatherSlot:
         x_full = WAIT_CLOCK.wait(self.pending)
         grad_w = weight_grad(weight, grad_mid, x_full, fuse)
         self.lease.release()  # the GEMM above was the last reader
-        self.lease = self.pending = None
+        self.lease = self.pending = self.x_local = None
         return grad_w
 
     @classmethod
-    def for_backward(cls, slot, group, pool, x_local, need_w: bool) -> "RegatherSlot":
+    def for_backward(cls, slot, group, pool, source, saved, need_w: bool) -> "RegatherSlot":
         """The forward's slot (a fresh plain one if it had none), its gather started if dA is needed."""
         if slot is None:  # plain regather: the gather starts here
             slot = cls(group, pool, early=False, defer=False)
-            slot.bind(x_local)
+            if saved is not None:
+                slot.bind(source, saved)
         if need_w:
             slot.start_gather()  # no-op when the output hook already did
         return slot
@@ -177,31 +188,43 @@ class RegatherLinearA(torch.autograd.Function):
     """LoRA-A under SP that saves ``x_local`` and re-gathers it in backward."""
 
     @staticmethod
-    def forward(ctx, x_local, weight, group, fuse, pool, slot):
+    def forward(ctx, x_local, weight, group, fuse, pool, slot, source):
         t = comm.world_size(group)
         lease = pool.acquire(FORWARD_SCRATCH, _full_shape(x_local, t), x_local.dtype, x_local.device)
         x_full = comm.all_gather_seq(x_local, group, out=lease.tensor)
         mid = torch.matmul(x_full, weight.t())
         lease.release()  # the GEMM above is the last reader (rule 3 in regather.buffers)
-        ctx.save_for_backward(x_local)
+        _save_shard(ctx, x_local, source, slot)
         ctx.weight = weight  # a parameter: no new memory (see LinearWithWgrad on why not saved)
-        ctx.group, ctx.fuse, ctx.pool, ctx.slot = group, fuse, pool, slot
-        if slot is not None:
-            slot.bind(x_local)
+        ctx.group, ctx.fuse, ctx.pool = group, fuse, pool
         return mid
 
     @staticmethod
     def backward(ctx, grad_mid):
-        (x_local,), weight = ctx.saved_tensors, ctx.weight
+        weight = ctx.weight
         need_w = ctx.needs_input_grad[1]
-        slot = RegatherSlot.for_backward(ctx.slot, ctx.group, ctx.pool, x_local, need_w)
+        slot = _slot_for_backward(ctx, need_w)
         scatter = None
         if ctx.needs_input_grad[0]:
             grad_full = grad_mid.matmul(weight)
             scatter = comm.reduce_scatter_seq(grad_full, ctx.group, async_op=True)
         grad_w = slot.weight_grad_or_defer(weight, grad_mid, ctx.fuse) if need_w else None
         grad_x = scatter.wait() if scatter is not None else None
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
+
+
+def _save_shard(ctx, x_local, source, slot) -> None:
+    """Save what ``source`` keeps for ``x_local``; the early slot holds the same tensors."""
+    saved = source.save(x_local)
+    ctx.save_for_backward(*saved)
+    ctx.source, ctx.slot = source.handle(), slot
+    if slot is not None:
+        slot.bind(ctx.source, saved)
+
+
+def _slot_for_backward(ctx, need_w: bool) -> RegatherSlot:
+    saved = ctx.saved_tensors if (ctx.slot is None and need_w) else None
+    return RegatherSlot.for_backward(ctx.slot, ctx.group, ctx.pool, ctx.source, saved, need_w)
 
 
 class RegatherSharedLinearA(torch.autograd.Function):
@@ -214,23 +237,21 @@ class RegatherSharedLinearA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_full, x_local, weight, group, fuse, pool, slot):
+    def forward(ctx, x_full, x_local, weight, group, fuse, pool, slot, source):
         mid = torch.matmul(x_full, weight.t())
-        ctx.save_for_backward(x_local)
+        _save_shard(ctx, x_local, source, slot)
         ctx.weight = weight
-        ctx.group, ctx.fuse, ctx.pool, ctx.slot = group, fuse, pool, slot
-        if slot is not None:
-            slot.bind(x_local)
+        ctx.group, ctx.fuse, ctx.pool = group, fuse, pool
         return mid
 
     @staticmethod
     def backward(ctx, grad_mid):
-        (x_local,), weight = ctx.saved_tensors, ctx.weight
+        weight = ctx.weight
         need_w = ctx.needs_input_grad[2]
-        slot = RegatherSlot.for_backward(ctx.slot, ctx.group, ctx.pool, x_local, need_w)
+        slot = _slot_for_backward(ctx, need_w)
         grad_full = grad_mid.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = slot.weight_grad_or_defer(weight, grad_mid, ctx.fuse) if need_w else None
-        return grad_full, None, grad_w, None, None, None, None
+        return grad_full, None, grad_w, None, None, None, None, None
 
 
 class DeferredWgrad(torch.autograd.Function):
@@ -262,13 +283,26 @@ def anchor(x: torch.Tensor, weight: torch.Tensor, slot: RegatherSlot) -> torch.T
 
 def regather_linear_a(
     x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bool, pool: ScratchPool | None = None,
-    slot: RegatherSlot | None = None,
+    slot: RegatherSlot | None = None, source=KEEP,
 ) -> torch.Tensor:
-    return RegatherLinearA.apply(x_local, weight, group, fuse, pool or default_pool(), slot)
+    return RegatherLinearA.apply(x_local, weight, group, fuse, pool or default_pool(), slot, source)
 
 
 def regather_shared_linear_a(
     x_full: torch.Tensor, x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bool,
-    pool: ScratchPool | None = None, slot: RegatherSlot | None = None,
+    pool: ScratchPool | None = None, slot: RegatherSlot | None = None, source=KEEP,
 ) -> torch.Tensor:
-    return RegatherSharedLinearA.apply(x_full, x_local, weight, group, fuse, pool or default_pool(), slot)
+    return RegatherSharedLinearA.apply(x_full, x_local, weight, group, fuse, pool or default_pool(), slot,
+                                       source)
+
+
+REGATHER = LoraAPath(
+    "regather", saves="x_local [s/t, b, h] (or what its producer keeps)",
+    sends="forward: all-gather x (scratch); backward: all-gather x again, reduce-scatter dX", recomputes=True,
+    fn=lambda x, weight, args: regather_linear_a(x, weight, args.group, args.fuse, args.pool, args.slot, args.source))
+REGATHER_SHARED = LoraAPath(
+    "regather-shared", saves="x_local [s/t, b, h] (or what its producer keeps)",
+    sends="backward: all-gather x again (forward gather and dX reduce-scatter shared with the base)",
+    recomputes=True,
+    fn=lambda x, weight, args: regather_shared_linear_a(args.x_full, x, weight, args.group, args.fuse, args.pool,
+                                                        args.slot, args.source))

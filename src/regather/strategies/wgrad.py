@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from regather.strategies.saved_input import KEEP
+
 
 def weight_grad(
     weight: torch.Tensor, grad_output: torch.Tensor, inp: torch.Tensor, fuse: bool
@@ -69,12 +71,15 @@ class LinearWithWgrad(torch.autograd.Function):
     ============ ====================== =====================================
     tensor       shape                  saved for backward
     ============ ====================== =====================================
-    X            ``[..., in]``          yes (needed for dW)
+    X            ``[..., in]``          through ``source`` (needed for dW):
+                                        itself, or what its producer keeps
     W            ``[out, in]``          kept on ``ctx`` (see below)
     Y            ``[..., out]``         no
     ============ ====================== =====================================
 
     No communication: the strategies wrap it with the collectives they need.
+    ``source`` (:mod:`regather.strategies.saved_input`) is loaded only when ``dW`` is
+    needed, so a recomputed input costs nothing in a backward that skips LoRA-A's gradient.
 
     The weight is kept as ``ctx.weight``, not through ``save_for_backward``:
     under ``saved_tensors_hooks`` autograd hands back a new Python object for a
@@ -82,18 +87,20 @@ class LinearWithWgrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, fuse):
-        ctx.save_for_backward(x)
-        ctx.weight, ctx.fuse = weight, fuse
+    def forward(ctx, x, weight, fuse, source):
+        ctx.save_for_backward(*source.save(x))
+        ctx.weight, ctx.fuse, ctx.source = weight, fuse, source.handle()
         return torch.matmul(x, weight.t())
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,), weight = ctx.saved_tensors, ctx.weight
+        weight = ctx.weight
         grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w = weight_grad(weight, grad_out, x, ctx.fuse) if ctx.needs_input_grad[1] else None
-        return grad_in, grad_w, None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = weight_grad(weight, grad_out, ctx.source.load(ctx.saved_tensors), ctx.fuse)
+        return grad_in, grad_w, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, fuse: bool = False) -> torch.Tensor:
-    return LinearWithWgrad.apply(x, weight, fuse)
+def linear(x: torch.Tensor, weight: torch.Tensor, fuse: bool = False, source=KEEP) -> torch.Tensor:
+    return LinearWithWgrad.apply(x, weight, fuse, source)

@@ -1,0 +1,37 @@
+"""LoRA-A on an input that needs no sequence gather.
+
+=================== ===================== ============================================
+path                input                 LoRA-A
+=================== ===================== ============================================
+``row``             ``x_i [s, b, h/t]``   row-parallel ``A_i [r, h/t]`` (``linear_proj``,
+                    (split over hidden)   ``linear_fc2``); the adapter reduces ``mid``
+``replicated``      ``x [s, b, h]``       column-parallel ``A_i [r/t, h]`` without SP;
+                    (same on every rank)  ``dX`` is all-reduced over TP (megatron's copy)
+=================== ===================== ============================================
+
+Saved for backward: the input, through the path's source — kept, or, for ``row``
+(``linear_fc2``), recomputed from what the MLP activation already keeps
+(:mod:`regather.strategies.saved_input`). No collective of their own beyond the copy's
+backward all-reduce.
+"""
+
+from __future__ import annotations
+
+from regather.strategies.path import LoraAPath
+from regather.strategies.wgrad import linear
+
+
+def _row(x, weight, args):
+    return linear(x, weight, args.fuse, args.source)
+
+
+def _replicated(x, weight, args):
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    return linear(copy_to_tensor_model_parallel_region(x, group=args.group), weight, args.fuse)
+
+
+ROW = LoraAPath("row", saves="x_i [s, b, h/t] (or what its producer keeps)", sends="none",
+                recomputes=True, fn=_row)
+REPLICATED = LoraAPath("replicated", saves="x [s, b, h]", sends="backward: all-reduce dX",
+                       recomputes=False, fn=_replicated)

@@ -1,0 +1,40 @@
+"""The interface every LoRA-A path shares (see :mod:`regather.strategies.paths`).
+
+A path computes ``mid = LoRA-A(x)`` for one forward and owns its backward: what it saves,
+what it sends, how ``dA`` and ``dX`` come back. The adapter looks one up per forward from
+its decision and calls it with a :class:`PathArgs`; the path reads only what it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class PathArgs:
+    """Everything a path may use besides its input and weight."""
+
+    group: Any                      # the TP process group
+    fuse: bool                      # gradient-accumulation fusion into main_grad
+    pool: Any = None                # regather's scratch pool
+    slot: Any = None                # early re-gather's per-forward slot
+    source: Any = None              # saved_input.KEEP or a Recomputed source
+    x_full: Optional[torch.Tensor] = None   # an input gathered once for base and adapter
+    reduce_dA: bool = True          # lowrank: sum dA over TP inside backward
+
+
+@dataclass(frozen=True)
+class LoraAPath:
+    """One way to run LoRA-A: its name, what it saves and sends, and the call."""
+
+    name: str
+    saves: str                      # what stays alive from forward to backward
+    sends: str                      # collectives it adds (forward; backward)
+    recomputes: bool                # may save what the input's producer keeps instead
+    fn: Callable[[torch.Tensor, torch.Tensor, PathArgs], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, args: PathArgs) -> torch.Tensor:
+        return self.fn(x, weight, args)

@@ -1,0 +1,48 @@
+"""Which LoRA-A path runs: one lookup per forward from the adapter's decision.
+
+================== ================================ ==========================================
+path               module                           when
+================== ================================ ==========================================
+``gather``         :mod:`.gather`                   column-parallel, SP, gather decision
+``pregathered``    :mod:`.pregathered`              gather decision on an input gathered by the
+                                                    base (TE) or once for base and adapter
+``regather``       :mod:`.regather`                 column-parallel, SP, regather decision
+``regather-shared`` :mod:`.regather`                the same on a shared forward gather
+``lowrank``        :mod:`.lowrank`                  column-parallel, SP, lowrank decision
+``row``            :mod:`.local`                    row-parallel base
+``replicated``     :mod:`.local`                    column-parallel base without SP
+================== ================================ ==========================================
+
+Each path says what it saves and sends (:class:`~regather.strategies.path.LoraAPath`);
+where its saved input comes from — kept or recomputed — is a separate piece they share
+(:mod:`regather.strategies.saved_input`).
+"""
+
+from __future__ import annotations
+
+from regather.strategies import Strategy
+from regather.strategies.gather import GATHER
+from regather.strategies.local import REPLICATED, ROW
+from regather.strategies.lowrank import LOWRANK
+from regather.strategies.path import LoraAPath, PathArgs
+from regather.strategies.pregathered import PREGATHERED
+from regather.strategies.regather import REGATHER, REGATHER_SHARED
+
+PATHS = {p.name: p for p in (GATHER, PREGATHERED, REGATHER, REGATHER_SHARED, LOWRANK, ROW, REPLICATED)}
+
+__all__ = ["PATHS", "LoraAPath", "PathArgs", "lookup"]
+
+
+def lookup(used: Strategy, *, column: bool, sequence_parallel: bool, shared: bool = False,
+           gathered: bool = False) -> LoraAPath:
+    """The path for a forward that uses ``used`` on this layout (``shared``: an ``x_full``
+    gathered once for base and adapter; ``gathered``: the input itself is already gathered)."""
+    if not column:
+        return ROW
+    if not sequence_parallel:
+        return REPLICATED
+    if used == Strategy.LOWRANK:
+        return LOWRANK
+    if used == Strategy.REGATHER:
+        return REGATHER_SHARED if shared else REGATHER
+    return PREGATHERED if (shared or gathered) else GATHER
