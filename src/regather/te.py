@@ -58,7 +58,7 @@ TE_CLASSES = (TE_LAYERNORM_COLUMN, TE_COLUMN, TE_ROW)
 _TE_MODULES = ("megatron.core.extensions.transformer_engine", "transformer_engine")
 
 __all__ = [
-    "TE_CLASSES", "fuses_layernorm", "is_te_linear", "linear_sizes", "lora_forward",
+    "TE_CLASSES", "fuses_layernorm", "is_te_linear", "layernorm_output", "linear_sizes", "lora_forward",
     "split_output", "call_with_layernorm_output", "wants_gathered",
 ]
 
@@ -192,3 +192,20 @@ def lora_forward(base: nn.Module, adapter, x: torch.Tensor, plan, *args, **kwarg
     adapter._check_input(ln_out)
     gathered = _received_gathered(ln_out, x, requested, adapter)
     return out + adapter(ln_out, plan=plan, input_gathered=gathered), bias
+
+
+def layernorm_output(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The (local) LayerNorm output of a LayerNorm-fused TE base for its pre-norm input ``x``,
+    from the module's own norm parameters: ``layer_norm_weight`` (``+ 1`` with
+    ``zero_centered_gamma``), ``layer_norm_bias``, ``eps``, ``normalization``
+    ("LayerNorm" | "RMSNorm"). Used to recompute the adapter input in backward
+    (:mod:`regather.producers`); the adapter checks once that it reproduces TE's output bit
+    for bit and keeps its input otherwise, so TE's own kernel is never replaced silently.
+    """
+    weight = base.layer_norm_weight
+    if getattr(base, "zero_centered_gamma", False):
+        weight = weight + 1
+    shape = (x.shape[-1],)
+    if getattr(base, "normalization", "LayerNorm") == "RMSNorm":
+        return nn.functional.rms_norm(x, shape, weight, base.eps)
+    return nn.functional.layer_norm(x, shape, weight, getattr(base, "layer_norm_bias", None), base.eps)

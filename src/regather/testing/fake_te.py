@@ -29,7 +29,7 @@ class TELayerNormColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, tp_group, sequence_parallel: bool,
                  bias: bool = False, skip_bias_add: bool = False, dtype=torch.float32, eps: float = 1e-5,
-                 config=None):
+                 config=None, normalization: str = "LayerNorm", zero_centered_gamma: bool = False):
         super().__init__()
         import torch.distributed as dist
 
@@ -42,6 +42,7 @@ class TELayerNormColumnParallelLinear(nn.Module):
         self.return_layernorm_output = False
         self.return_layernorm_output_gathered = False
         self.eps = eps
+        self.normalization, self.zero_centered_gamma = normalization, zero_centered_gamma
         self.config = config or SimpleNamespace(sequence_parallel=self.sequence_parallel,
                                                 tensor_model_parallel_size=t)
         g = torch.Generator().manual_seed(1234 + (dist.get_rank(tp_group) if dist.is_initialized() else 0))
@@ -51,7 +52,11 @@ class TELayerNormColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.randn(self.out_features, generator=g).to(dtype)) if bias else None
 
     def layer_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.layer_norm(x, (x.shape[-1],), self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        # TE's norm options: zero-centered gamma (weight + 1), RMSNorm (no bias)
+        weight = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
+        if self.normalization == "RMSNorm":
+            return nn.functional.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return nn.functional.layer_norm(x, (x.shape[-1],), weight, self.layer_norm_bias, self.eps)
 
     def forward(self, x: torch.Tensor):
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region

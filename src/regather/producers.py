@@ -1,0 +1,363 @@
+"""Producers of adapter inputs: found in the model, checked per forward, run again in backward.
+
+With ``LoRA(recompute_adapter_inputs=True)`` an adapter saves, instead of its input, the
+tensor that the op producing that input already saves for its own backward, and rebuilds
+the input from it (:class:`regather.strategies.saved_input.Recomputed`):
+
+======================= ============================= =================================== ========================
+adapter                 producer (found from)         saved instead of the input          recompute
+======================= ============================= =================================== ========================
+``linear_qkv``          ``input_layernorm`` of the    the norm's input (the residual      the norm module's own
+                        ``TransformerLayer`` holding  stream ``[s/t, b, h]``), which the  ``forward``
+                        the ``SelfAttention``         norm keeps for its backward
+``linear_fc1``          ``pre_mlp_layernorm``         the same                            the same
+TE ``linear_qkv`` /     the base itself               its pre-norm input, which TE keeps  :func:`regather.te.
+``linear_fc1``          (``TELayerNormColumn...``)                                        layernorm_output`
+``linear_fc2``          megatron ``MLP``'s activation ``linear_fc1``'s output (the         MLP's activation code,
+                        between ``linear_fc1`` and    activation's input, which the       gated or not, fused
+                        ``linear_fc2``                activation keeps)                   or not (mirrored)
+======================= ============================= =================================== ========================
+
+The pairing comes from the model's structure (module classes and which module holds which;
+a custom spec that overrides ``forward`` is refused) and is checked on every forward before
+anything is saved:
+
+- the adapter input *is* the producer's output (the same tensor object, its version unchanged:
+  nothing modified it in place in between), recorded by a forward hook on the producer;
+- the adapter input depends on nothing but the producer's input (walking its autograd graph,
+  parameters aside), and some node on that walk saved a tensor sharing the storage of what
+  we are about to save — so saving it adds no bytes. A norm whose input and weights need no
+  gradient (layer 0 with frozen embeddings) saves nothing, and then recompute would keep a
+  tensor alive that nobody else keeps: the input is kept instead, with that reason;
+- activation recompute or CPU offload covering the producer, a per-token scale, an fp8 input
+  store: refused with the reason.
+
+What cannot be established is never guessed: :meth:`capture` returns a reason and the adapter
+keeps its input as before (``regather.decisions`` shows it). The first recompute of every
+adapter is also compared with the input the forward computed (``torch.equal``); a producer
+whose rerun is not bit-identical is switched off for that adapter with the difference named.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from regather import te
+
+Captured = Union[tuple, str]  # the tensors to save, or why not
+
+_NORM_CLASSES = ("LayerNorm", "RMSNorm", "FusedLayerNorm", "L2Norm")
+
+
+# -- the autograd graph between a producer's input and its output -----------------------------
+
+
+class Meta:
+    """Where a tensor lives (storage, view geometry): enough to find it again among the tensors
+    an autograd node saved, without holding the tensor (autograd keeps its storage, not the
+    Python object)."""
+
+    __slots__ = ("storage", "shape", "stride", "offset", "dtype")
+
+    def __init__(self, t: torch.Tensor):
+        self.storage, self.dtype = _storage(t), t.dtype
+        self.shape, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+
+    def rebuild(self, alias: torch.Tensor) -> torch.Tensor:
+        """The tensor itself, as a view of ``alias`` (a saved tensor on the same storage)."""
+        return alias.detach().as_strided(self.shape, self.stride, self.offset)
+
+
+def _storage(t: torch.Tensor) -> tuple:
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes())
+
+
+def _saved_tensors(node) -> list:
+    """The tensors an autograd node saved for its backward (C++ nodes and Python Functions)."""
+    out = []
+    values = [getattr(node, n, None) for n in dir(node) if n.startswith("_saved_")]
+    if hasattr(node, "saved_tensors"):  # a Python autograd.Function's ctx
+        values.append(node.saved_tensors)
+    for v in values:
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+def kept_between(output: torch.Tensor, meta: Meta, stop, limit: int = 32, pick=None) -> Union[torch.Tensor, str]:
+    """The tensor described by ``meta``, rebuilt from one the autograd graph of ``output``
+    saved, when ``output`` is computed from it alone (graph nodes down to ``stop`` — its own
+    node — and parameters); otherwise what fails, as a sentence. ``pick(saved)`` may choose
+    another saved tensor instead (returning it, or None)."""
+    root = output.grad_fn
+    if root is None:
+        return "it keeps nothing for its backward (neither its input nor its weights need a gradient)"
+    seen, frontier, alias, reached = set(), [root], None, stop is None
+    while frontier:
+        node = frontier.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node is stop:
+            reached = True
+            continue
+        if type(node).__name__ == "AccumulateGrad":  # a trainable leaf: a parameter of the producer
+            continue
+        if len(seen) > limit:
+            return f"its autograd graph is larger than {limit} nodes (not an elementwise producer)"
+        if alias is None:
+            try:
+                saved = _saved_tensors(node)
+            except RuntimeError as exc:  # e.g. modified in place since it was saved
+                return f"its saved tensors cannot be read ({exc})"
+            alias = next((meta.rebuild(t) for t in saved if _storage(t) == meta.storage and t.dtype == meta.dtype),
+                         None)
+            if alias is None and pick is not None:
+                alias = pick(saved)
+        frontier.extend(fn for fn, _ in node.next_functions)
+    if not reached:
+        return "the adapter input does not come from it alone"
+    if alias is None:
+        return "it does not keep the tensor it would be recomputed from (saving that would add bytes)"
+    return alias
+
+
+def _same_tensor(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """``x`` is ``out`` or a full view of it (early re-gather's anchor passes ``out.view_as(out)``)."""
+    if x is out:
+        return True
+    return (x._base is out or (out._base is not None and x._base is out._base)) and x.shape == out.shape \
+        and x.stride() == out.stride() and x.storage_offset() == out.storage_offset()
+
+
+# -- producers ------------------------------------------------------------------------------------
+
+
+class _Hooked:
+    """A producer module: its last forward's output (weakly, for identity) and its input's
+    place (:class:`Meta`) and autograd node."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._clear()
+        module.register_forward_hook(self._seen)
+
+    def _clear(self):
+        self._out, self._meta, self._stop, self._version = None, None, None, None
+
+    def _output(self, result):
+        return result
+
+    def _seen(self, module, args, result):
+        out = self._output(result)
+        if not (torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor)
+                and isinstance(out, torch.Tensor)):
+            self._clear()
+            return
+        self._out, self._version = weakref.ref(out), out._version
+        self._meta, self._stop = Meta(args[0]), args[0].grad_fn
+
+    def capture(self, x: torch.Tensor) -> Captured:
+        out = self._out() if self._out is not None else None
+        meta, stop, version = self._meta, self._stop, self._version
+        self._clear()  # one adapter forward per producer forward
+        if out is None or not _same_tensor(x, out):
+            return f"the adapter input is not {self.name}'s output of this forward"
+        if out._version != version:
+            return f"{self.name}'s output was modified in place before the adapter read it"
+        found = kept_between(out, meta, stop)
+        return f"{self.name}: {found}" if isinstance(found, str) else (found,)
+
+
+class NormProducer(_Hooked):
+    """A norm module (``input_layernorm`` / ``pre_mlp_layernorm``) feeding the adapter."""
+
+    def __init__(self, norm: nn.Module, name: str, config=None):
+        super().__init__(norm)
+        self.name, self.config = name, config
+
+    def capture(self, x: torch.Tensor) -> Captured:
+        modules = getattr(self.config, "recompute_modules", None) or []
+        if getattr(self.config, "recompute_granularity", None) == "selective" and "layernorm" in modules:
+            self._clear()
+            return f"selective recompute covers 'layernorm' (recompute_modules={list(modules)})"
+        return super().capture(x)
+
+    def recompute(self, inp: torch.Tensor) -> torch.Tensor:
+        return self.module.forward(inp)  # the module's own op, its eps / zero-centered gamma
+
+
+class TELayerNormProducer(_Hooked):
+    """Transformer Engine's fused ``TELayerNormColumnParallelLinear``: its input is pre-norm,
+    the adapter reads its (local) LayerNorm output."""
+
+    name = "the fused LayerNorm of the TE base"
+
+    def _output(self, result):
+        if not getattr(self.module, "return_layernorm_output", False):
+            return None
+        return te.split_output(result)[2]
+
+    def recompute(self, inp: torch.Tensor) -> torch.Tensor:
+        return te.layernorm_output(self.module, inp)
+
+
+class ActivationProducer:
+    """megatron ``MLP``'s activation between ``linear_fc1`` and ``linear_fc2``."""
+
+    def __init__(self, mlp: nn.Module):
+        self.mlp, self.config = mlp, mlp.config
+        gated = getattr(self.config, "gated_linear_unit", False)
+        fn = getattr(mlp, "activation_func", None)
+        fused = getattr(self.config, "bias_activation_fusion", False)
+        self.name = (f"the MLP activation ({getattr(fn, '__name__', type(fn).__name__)}"
+                     f"{', gated' if gated else ''}{', fused' if fused else ''})")
+        self._clear()
+        self._scaled = False
+        mlp.linear_fc1.register_forward_hook(self._seen)
+        mlp.register_forward_pre_hook(self._call, with_kwargs=True)
+
+    def _clear(self):
+        self._meta, self._stop, self._bias = None, None, None
+
+    def _call(self, module, args, kwargs):
+        scale = kwargs.get("per_token_scale", args[1] if len(args) > 1 else None)
+        self._scaled = scale is not None
+
+    def _seen(self, module, args, result):
+        out, bias = result if isinstance(result, tuple) else (result, None)
+        if not (torch.is_grad_enabled() and isinstance(out, torch.Tensor)):
+            self._clear()
+            return
+        self._meta, self._stop, self._bias = Meta(out), out.grad_fn, bias
+
+    def static_reason(self) -> Optional[str]:
+        cfg = self.config
+        if getattr(cfg, "activation_func_fp8_input_store", False):
+            return "the activation stores its input in fp8 (activation_func_fp8_input_store=True)"
+        if getattr(cfg, "cpu_offloading", False) and getattr(cfg, "cpu_offloading_activations", True):
+            return "CPU activation offloading is on (cpu_offloading=True)"
+        if getattr(cfg, "bias_activation_fusion", False) and not getattr(cfg, "use_te_activation_func", False):
+            fn, gated = self.mlp.activation_func, getattr(cfg, "gated_linear_unit", False)
+            if not (fn is F.gelu or (fn is F.silu and gated)):
+                return f"bias-activation fusion with {getattr(fn, '__name__', fn)!r} is not one megatron fuses"
+        return None
+
+    def capture(self, x: torch.Tensor) -> Captured:
+        meta, stop, bias = self._meta, self._stop, self._bias
+        self._clear()
+        why = self.static_reason()
+        if why is not None:
+            return why
+        if self._scaled:
+            return "the MLP was called with a per-token scale"
+        if meta is None:
+            return "linear_fc1 did not run in this forward"
+        biased = []
+
+        def pick(saved):  # unfused bias: the activation keeps ``out + bias``, not fc1's output
+            for t in saved:
+                node = t.grad_fn
+                if (bias is not None and tuple(t.shape) == meta.shape and type(node).__name__ == "AddBackward0"
+                        and any(fn is stop for fn, _ in node.next_functions)):
+                    biased.append(True)
+                    return t.detach()
+            return None
+
+        found = kept_between(x, meta, stop, pick=pick)
+        if isinstance(found, str):
+            return f"{self.name}: {found}"
+        return (found, None) if biased else (found, bias)  # the bias is in ``found`` already
+
+    def recompute(self, out: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return mlp_activation(self.mlp, out, bias)
+
+
+def mlp_activation(mlp: nn.Module, intermediate: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The activation block of megatron-core's ``MLP.forward`` (0.16.1 – 0.19.x, no per-token
+    scale), on the same functions that module imported, so the result is bit-identical."""
+    cfg, fn = mlp.config, mlp.activation_func
+    mod = sys.modules[type(mlp).forward.__module__]
+    if cfg.use_te_activation_func:
+        if bias is not None:
+            intermediate = intermediate + bias
+        return fn(intermediate)
+    if cfg.bias_activation_fusion:
+        if fn is F.gelu:
+            if cfg.gated_linear_unit:
+                return mod.bias_geglu_impl(intermediate, bias)
+            return mod.bias_gelu_impl(intermediate, bias)
+        return mod.bias_swiglu_impl(intermediate, bias, cfg.activation_func_fp8_input_store,
+                                    cfg.cpu_offloading and cfg.cpu_offloading_activations and mod.HAVE_TE)
+    if bias is not None:
+        intermediate = intermediate + bias
+    if cfg.gated_linear_unit:
+        x_glu, x_linear = torch.chunk(intermediate, 2, dim=-1)
+        val = getattr(cfg, "activation_func_clamp_value", None)
+        if val is not None:
+            x_glu = x_glu.clamp(min=None, max=val)
+            x_linear = x_linear.clamp(min=-val, max=val)
+        if hasattr(cfg, "glu_linear_offset"):
+            x_linear = x_linear + cfg.glu_linear_offset
+        return cfg.activation_func(x_glu) * x_linear
+    return fn(intermediate)
+
+
+# -- finding them ----------------------------------------------------------------------------------
+
+
+def _megatron_classes():
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return SelfAttention, MLP, TransformerLayer
+
+
+def _own_forward(module: nn.Module, cls: type) -> bool:
+    """``module`` is a ``cls`` running ``cls``'s own forward (no custom spec overriding it)."""
+    return isinstance(module, cls) and type(module).forward is cls.forward
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return type(module).__name__ in _NORM_CLASSES
+
+
+def find_producer(model: nn.Module, path: str, wrapper: nn.Module):
+    """The producer of the adapter input of the wrapped linear at ``path``, or why there is none."""
+    SelfAttention, MLP, TransformerLayer = _megatron_classes()
+    name = path.rsplit(".", 1)[-1]
+    parent_path = path.rpartition(".")[0]
+    parent = model.get_submodule(parent_path) if parent_path else model
+    grand_path = parent_path.rpartition(".")[0]
+    grand = model.get_submodule(grand_path) if parent_path and grand_path else None
+    base = wrapper.to_wrap
+    if name in ("linear_qkv", "linear_fc1") and te.fuses_layernorm(base):
+        return TELayerNormProducer(base)
+    if name == "linear_qkv":
+        owner, norm_attr, holder = SelfAttention, "input_layernorm", "self_attention"
+    elif name == "linear_fc1":
+        owner, norm_attr, holder = MLP, "pre_mlp_layernorm", "mlp"
+    elif name == "linear_fc2":
+        if not _own_forward(parent, MLP):
+            return f"{name}'s parent is a {type(parent).__name__}, not megatron's MLP running its own forward"
+        producer = ActivationProducer(parent)
+        return producer.static_reason() or producer
+    else:
+        return f"{name} has no recomputable producer (only linear_qkv, linear_fc1 and linear_fc2 do)"
+    if not _own_forward(parent, owner):
+        return f"{name}'s parent is a {type(parent).__name__}, not megatron's {owner.__name__} running its own forward"
+    if grand is None or not _own_forward(grand, TransformerLayer) or getattr(grand, holder, None) is not parent:
+        return f"{name} is not inside a megatron TransformerLayer running its own forward (custom spec)"
+    norm = getattr(grand, norm_attr, None)
+    if norm is None or not _is_norm(norm):
+        return f"{norm_attr} of the layer is a {type(norm).__name__}, not a norm this package recomputes"
+    return NormProducer(norm, norm_attr, getattr(grand, "config", None))
