@@ -1,9 +1,16 @@
-"""The strategies for a column-parallel LoRA-A under sequence parallelism.
+"""The LoRA-A paths, one module each; the adapter looks one up per forward (:mod:`.paths`).
 
-- :mod:`~regather.strategies.gather`   — keep the gathered input (classic path)
-- :mod:`~regather.strategies.regather` — keep the local shard, gather again in backward
-- :mod:`~regather.strategies.lowrank`  — replicated LoRA-A on the local shard, gather rank-r output
-- :mod:`~regather.strategies.wgrad`    — the shared weight-gradient GEMM / main_grad fusion
+Where bytes are saved, sent and recomputed:
+
+- :mod:`~regather.strategies.gather`       — keep the gathered input (classic path)
+- :mod:`~regather.strategies.pregathered`  — LoRA-A on an input the base layer already gathered
+- :mod:`~regather.strategies.regather`     — keep the local shard, gather again in backward
+- :mod:`~regather.strategies.lowrank`      — replicated LoRA-A on the local shard, gather rank-r output
+- :mod:`~regather.strategies.local`        — inputs that need no sequence gather (row-parallel, SP off)
+- :mod:`~regather.strategies.saved_input`  — what a path saves for ``dA``: the input (kept), or what
+  its producer keeps, recomputed in backward (producers found by :mod:`regather.producers`)
+- :mod:`~regather.strategies.wgrad`        — the shared weight-gradient GEMM / main_grad fusion
+- :mod:`~regather.strategies.path`, :mod:`~regather.strategies.paths` — the interface and the lookup
 """
 
 from enum import Enum
