@@ -64,6 +64,7 @@ from regather.strategies.lowrank import (
 from regather.strategies.paths import PathArgs, lookup
 from regather.strategies.regather import RegatherSlot, anchor, new_slot
 from regather.strategies.saved_input import KEEP, Recomputed
+from regather.strategies.shared_gather import SharedGather
 from regather.strategies.wgrad import linear
 
 logger = logging.getLogger("regather")
@@ -124,10 +125,12 @@ def init_weight_(weight: torch.Tensor, method: str) -> torch.Tensor:
 
 @dataclass
 class Plan:
-    """What one forward of an adapter does: the decision, and the regather slot if any."""
+    """What one forward of an adapter does: the decision, the regather slot if any, and the
+    gather it shares with other adapters on the same input (``CanonicalLoRA``) if any."""
 
     decision: Decision
     slot: Optional[RegatherSlot] = None
+    share: Optional[SharedGather] = None
 
 
 class _ShardedWeight(nn.Module):
@@ -424,7 +427,7 @@ class ParallelLinearAdapter(nn.Module):
     def in_features_local(self) -> int:
         return self.linear_in.weight.shape[1]
 
-    def plan(self, x: torch.Tensor) -> tuple[torch.Tensor, Plan]:
+    def plan(self, x: torch.Tensor, share: Optional[SharedGather] = None) -> tuple[torch.Tensor, Plan]:
         """Decide this forward's strategy. For regather with early re-gather, also route ``x``
         through the deferred-``dA`` anchor; a wrapper (``LoRALinear``) calls this *before* its
         base layer so that ``dA`` waits for the base's dgrad too, and feeds the returned ``x``
@@ -435,10 +438,11 @@ class ParallelLinearAdapter(nn.Module):
         self.last_decision = decision
         self._log_fallback(decision)
         slot = None
+        share = share if decision.used == Strategy.REGATHER else None  # only regather gathers again
         if decision.used == Strategy.REGATHER and self.early_regather:
-            slot = new_slot(x, self.tp_group, self.pool, early=True)
+            slot = new_slot(x, self.tp_group, self.pool, early=True, share=share)
             x = anchor(x, self.linear_in.weight, slot)
-        return x, Plan(decision, slot)
+        return x, Plan(decision, slot, share)
 
     def shares_input_gather(self, plan: Plan) -> bool:
         """Whether this forward's LoRA-A reads the full input (gather/regather, column-parallel,
@@ -483,7 +487,7 @@ class ParallelLinearAdapter(nn.Module):
         path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel,
                       shared=x_full is not None, gathered=input_gathered)
         args = PathArgs(group=group, fuse=fuse, pool=self.pool or default_pool(), slot=slot, source=source,
-                        x_full=x_full, reduce_dA=self.lowrank_reduce_in_backward)
+                        x_full=x_full, reduce_dA=self.lowrank_reduce_in_backward, share=plan.share)
         # what LoRA-A saves is counted apart, per base layer (accounting.SavedBytes.of)
         with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.facts.base_name}"):
             mid = path(x, a, args)

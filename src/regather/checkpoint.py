@@ -110,7 +110,8 @@ def adapter_sharded_state_dict(adapter, prefix: str = "", sharded_offsets=(), me
         out.update(make_sharded_tensors_for_checkpoint(
             local, f"{prefix}{name}.", {"weight": axis}, sharded_offsets,
             tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"]))
-    if adapter.facts.base_name == "linear_fc1" and getattr(adapter.config, "gated_linear_unit", False):
+    if (adapter.facts.base_name == "linear_fc1" and getattr(adapter.config, "gated_linear_unit", False)
+            and getattr(adapter, "gate_up_fused", True)):  # CanonicalLoRA's gate/up adapters hold one half
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
         key = f"{prefix}linear_out.weight"  # [gate_i; up_i] per rank, like the base fc1 weight

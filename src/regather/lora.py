@@ -56,6 +56,14 @@ class LoRALinear(nn.Module):
         self.share_sequence_gather = False
         self._adapter_enabled = True
 
+    def delta_weight(self, delta_of) -> torch.Tensor:
+        """The adapter's merged weight delta in the base's layout (:mod:`regather.merge`)."""
+        return delta_of(self.adapter)
+
+    def named_adapters(self, path: str) -> dict[str, ParallelLinearAdapter]:
+        """This wrapper's adapters by the name :func:`adapters` lists them under."""
+        return {path: self.adapter}
+
     def enable_adapter_layers(self) -> None:
         """Megatron Bridge's PEFT protocol (``PEFT.enable_adapter_layers`` / ``disable_adapter``)."""
         self._adapter_enabled = True
@@ -187,8 +195,11 @@ class LoRA:
             return fnmatch.fnmatchcase(path, pattern)
         return pattern == name or pattern == path
 
-    def _selected(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        hits: dict[str, list[str]] = {p: [] for p in self.target_modules}
+    def _selected(self, model: nn.Module, targets=None, shown=None) -> list[tuple[str, nn.Module]]:
+        """The linears ``targets`` (default ``target_modules``) select, validated before any change;
+        ``shown`` maps a target to the name(s) to report when it matches nothing."""
+        target_list = list(self.target_modules if targets is None else targets)
+        hits: dict[str, list[str]] = {p: [] for p in target_list}
         chosen = []
         for path, module in model.named_modules():
             if isinstance(module, (LoRALinear, ParallelLinearAdapter)) or not path:
@@ -196,7 +207,7 @@ class LoRA:
             if ".to_wrap" in path or ".adapter" in path:
                 continue
             name = path.rsplit(".", 1)[-1]
-            targets = [p for p in self.target_modules if self._matches(p, name, path)]
+            targets = [p for p in target_list if self._matches(p, name, path)]
             if not targets:
                 continue
             for p in targets:
@@ -207,9 +218,10 @@ class LoRA:
                 raise TypeError(f"LoRA target {path!r} is a {type(module).__name__}, "
                                 "not a megatron column- or row-parallel linear")
             chosen.append((path, module))
-        missing = [p for p, paths in hits.items() if not paths]
+        missing = [m for p, paths in hits.items() if not paths for m in (shown or {}).get(p, [p])]
         if missing:
-            raise ValueError(f"LoRA target_modules {missing} match no module of {type(model).__name__}")
+            raise ValueError(f"{type(self).__name__} target_modules {missing} match no module of "
+                             f"{type(model).__name__}")
         return chosen
 
     # -- applying ----------------------------------------------------------------
@@ -231,12 +243,16 @@ class LoRA:
         model.train(training)
         return model
 
-    def _make_adapter(self, path: str, base: nn.Module) -> ParallelLinearAdapter:
+    def _make_adapter(self, path: str, base: nn.Module, out_features: Optional[int] = None,
+                      qualified_name: Optional[str] = None) -> ParallelLinearAdapter:
+        """The adapter for the linear ``base`` at ``path`` (``out_features``: a part of its output,
+        for ``CanonicalLoRA``'s q/k/v and gate/up adapters)."""
         column = _is_column_parallel(base)
         config = getattr(base, "config", None)
         weight = base.weight
         group = _tp_group(base)
-        in_features, out_features = te.linear_sizes(base, column, _group_size(group))
+        in_features, full_out = te.linear_sizes(base, column, _group_size(group))
+        out_features = full_out if out_features is None else out_features
         adapter = ParallelLinearAdapter(
             in_features=in_features,
             out_features=out_features,
@@ -261,7 +277,7 @@ class LoRA:
             params_dtype=weight.dtype,
             device=weight.device,
         )
-        adapter.qualified_name = path
+        adapter.qualified_name = qualified_name or path
         return adapter
 
 
@@ -270,17 +286,25 @@ def attach_producers(model: nn.Module) -> None:
     from regather.producers import find_producer
 
     for path, wrapper in model.named_modules():
-        if isinstance(wrapper, LoRALinear) and wrapper.adapter.recompute_inputs:
-            found = find_producer(model, path, wrapper)
-            if isinstance(found, str):
-                wrapper.adapter.producer, wrapper.adapter.producer_reason = None, found
-            else:
-                wrapper.adapter.producer, wrapper.adapter.producer_reason = found, None
+        if not isinstance(wrapper, LoRALinear):
+            continue
+        for adapter in wrapper.named_adapters(path).values():  # one producer hook per adapter
+            if adapter.recompute_inputs:
+                found = find_producer(model, path, wrapper)
+                if isinstance(found, str):
+                    adapter.producer, adapter.producer_reason = None, found
+                else:
+                    adapter.producer, adapter.producer_reason = found, None
 
 
 def adapters(model: nn.Module) -> dict[str, ParallelLinearAdapter]:
-    """Every LoRA adapter of ``model``, by the path of the linear it wraps."""
-    return {path: m.adapter for path, m in model.named_modules() if isinstance(m, LoRALinear)}
+    """Every LoRA adapter of ``model``, by the path of the linear it wraps (``CanonicalLoRA``'s
+    q/k/v and gate/up adapters by their Bridge target names: ``…self_attention.linear_q``)."""
+    out = {}
+    for path, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            out.update(m.named_adapters(path))
+    return out
 
 
 def decisions(model: nn.Module) -> dict[str, Decision]:

@@ -52,12 +52,13 @@ def delta_weight(adapter) -> torch.Tensor:
 
 
 def _check_mergeable(path: str, lora_linear) -> None:
+    members = lora_linear.named_adapters(path)
+    if len(members) > 1 or next(iter(members)) != path:  # CanonicalLoRA: the placed delta is checked
+        for name, adapter in members.items():
+            _check_linear(name, adapter)
+        return
     adapter = lora_linear.adapter
-    if adapter.dropout is not None and adapter.training:
-        raise ValueError(f"cannot merge {path!r}: adapter dropout p={adapter.dropout.p} is active in training "
-                         "mode (call model.eval() first)")
-    if adapter.facts.activation != "identity":
-        raise ValueError(f"cannot merge {path!r}: adapter activation {adapter.facts.activation!r} is not linear")
+    _check_linear(path, adapter)
     w = lora_linear.to_wrap.weight
     expect = tuple(w.shape)
     if adapter.column_parallel:
@@ -67,6 +68,14 @@ def _check_mergeable(path: str, lora_linear) -> None:
     if got != expect:
         raise ValueError(f"cannot merge {path!r}: the adapter's delta would be {got}, the base weight shard is "
                          f"{expect}")
+
+
+def _check_linear(path: str, adapter) -> None:
+    if adapter.dropout is not None and adapter.training:
+        raise ValueError(f"cannot merge {path!r}: adapter dropout p={adapter.dropout.p} is active in training "
+                         "mode (call model.eval() first)")
+    if adapter.facts.activation != "identity":
+        raise ValueError(f"cannot merge {path!r}: adapter activation {adapter.facts.activation!r} is not linear")
 
 
 def _size(group) -> int:
@@ -82,7 +91,11 @@ def merge(model: nn.Module, keep_original: bool = False) -> list[str]:
         raise ValueError(f"{type(model).__name__} has no LoRA adapters to merge")
     for path, m in wrapped:  # validate everything before changing anything
         _check_mergeable(path, m)
-    deltas = [delta_weight(m.adapter) for _, m in wrapped]
+    deltas = [m.delta_weight(delta_weight) for _, m in wrapped]
+    for (path, m), delta in zip(wrapped, deltas):
+        if tuple(delta.shape) != tuple(m.to_wrap.weight.shape):
+            raise ValueError(f"cannot merge {path!r}: the adapter's delta is {tuple(delta.shape)}, the base "
+                             f"weight shard is {tuple(m.to_wrap.weight.shape)}")
     record = getattr(model, _MERGED_ATTR, None) or {}
     for (path, m), delta in zip(wrapped, deltas):
         w = m.to_wrap.weight
@@ -106,7 +119,7 @@ def unmerge(model: nn.Module, paths: Optional[list[str]] = None) -> list[str]:
         raise ValueError(f"not merged: {unknown}; merged adapters are {sorted(record)}")
     for path in paths:
         m, original = record[path]
-        delta = delta_weight(m.adapter) if original is None else None
+        delta = m.delta_weight(delta_weight) if original is None else None
         w = m.to_wrap.weight
         with torch.no_grad():
             if original is not None:

@@ -187,11 +187,19 @@ def lora_forward(base: nn.Module, adapter, x: torch.Tensor, plan, *args, **kwarg
     ``adapter.plan``); the adapter gets TE's LayerNorm output, gathered or not
     as :func:`wants_gathered` decides for this forward's strategy.
     """
-    requested = wants_gathered(base, adapter, plan.decision)
+    return lora_forward_many(base, [(adapter, plan)], x, lambda outs: outs[0], *args, **kwargs)
+
+
+def lora_forward_many(base: nn.Module, members, x: torch.Tensor, combine, *args, **kwargs):
+    """The same for several adapters on one TE base (``CanonicalLoRA``'s q/k/v or gate/up):
+    one LayerNorm output for all — gathered only if every member takes the gather path —
+    and ``combine([outputs])`` places their outputs in the base's layout."""
+    requested = all(wants_gathered(base, adapter, plan.decision) for adapter, plan in members)
     out, bias, ln_out = call_with_layernorm_output(base, x, requested, *args, **kwargs)
-    adapter._check_input(ln_out)
-    gathered = _received_gathered(ln_out, x, requested, adapter)
-    return out + adapter(ln_out, plan=plan, input_gathered=gathered), bias
+    for adapter, _ in members:
+        adapter._check_input(ln_out)
+    gathered = _received_gathered(ln_out, x, requested, members[0][0])
+    return out + combine([adapter(ln_out, plan=plan, input_gathered=gathered) for adapter, plan in members]), bias
 
 
 def layernorm_output(base: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ class PathArgs:
     source: Any = None              # saved_input.KEEP or a Recomputed source
     x_full: Optional[torch.Tensor] = None   # an input gathered once for base and adapter
     reduce_dA: bool = True          # lowrank: sum dA over TP inside backward
+    share: Any = None               # regather: a SharedGather with the other adapters on this input
 
 
 @dataclass(frozen=True)

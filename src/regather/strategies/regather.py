@@ -81,14 +81,9 @@ from regather import comm
 from regather.buffers import ScratchPool, default_pool
 from regather.strategies.path import LoraAPath
 from regather.strategies.saved_input import KEEP
+from regather.strategies.shared_gather import BACKWARD_SCRATCH, FORWARD_SCRATCH, SharedGather
+from regather.strategies.shared_gather import full_shape as _full_shape
 from regather.strategies.wgrad import weight_grad
-
-FORWARD_SCRATCH = "regather.forward.x_full"
-BACKWARD_SCRATCH = "regather.backward.x_full"
-
-
-def _full_shape(x_local: torch.Tensor, t: int):
-    return (x_local.shape[0] * t,) + tuple(x_local.shape[1:])
 
 
 class WaitClock:
@@ -117,10 +112,10 @@ class RegatherSlot:
     """The backward state of one regather forward: its gather, lease and deferred ``dA``."""
 
     __slots__ = ("source", "saved", "versions", "x_local", "group", "pool", "early", "defer",
-                 "lease", "pending", "grad_mid", "weight", "fuse")
+                 "lease", "pending", "grad_mid", "weight", "fuse", "share")
 
-    def __init__(self, group, pool: ScratchPool, early: bool, defer: bool):
-        self.group, self.pool, self.early, self.defer = group, pool, early, defer
+    def __init__(self, group, pool: ScratchPool, early: bool, defer: bool, share: SharedGather | None = None):
+        self.group, self.pool, self.early, self.defer, self.share = group, pool, early, defer, share
         self.source, self.saved, self.versions, self.x_local = KEEP, None, None, None
         self.lease = self.pending = None
         self.grad_mid = self.weight = self.fuse = None
@@ -145,6 +140,10 @@ class RegatherSlot:
                     f"regather: the adapter input was modified in place after forward "
                     f"(version {version} -> {t._version}); it is needed for LoRA-A's gradient"
                 )
+        if self.share is not None:  # CanonicalLoRA: one gather for the adapters on this input
+            self.share.start(self.source, self.saved)
+            self.pending = self.share
+            return
         x = self.x_local = self.source.load(self.saved)  # alive until the gather has read it
         t = comm.world_size(self.group)
         self.lease = self.pool.acquire(BACKWARD_SCRATCH, _full_shape(x, t), x.dtype, x.device)
@@ -153,6 +152,11 @@ class RegatherSlot:
     def weight_grad(self, weight, grad_mid, fuse):
         """Wait for the gather, ``dA = dmid^T x_full``, release the scratch buffer."""
         self.start_gather()
+        if self.share is not None:
+            grad_w = weight_grad(weight, grad_mid, self.share.wait(WAIT_CLOCK), fuse)
+            self.share.done()
+            self.pending = None
+            return grad_w
         x_full = WAIT_CLOCK.wait(self.pending)
         grad_w = weight_grad(weight, grad_mid, x_full, fuse)
         self.lease.release()  # the GEMM above was the last reader
@@ -160,10 +164,10 @@ class RegatherSlot:
         return grad_w
 
     @classmethod
-    def for_backward(cls, slot, group, pool, source, saved, need_w: bool) -> "RegatherSlot":
+    def for_backward(cls, slot, group, pool, source, saved, need_w: bool, share=None) -> "RegatherSlot":
         """The forward's slot (a fresh plain one if it had none), its gather started if dA is needed."""
         if slot is None:  # plain regather: the gather starts here
-            slot = cls(group, pool, early=False, defer=False)
+            slot = cls(group, pool, early=False, defer=False, share=share)
             if saved is not None:
                 slot.bind(source, saved)
         if need_w:
@@ -188,15 +192,19 @@ class RegatherLinearA(torch.autograd.Function):
     """LoRA-A under SP that saves ``x_local`` and re-gathers it in backward."""
 
     @staticmethod
-    def forward(ctx, x_local, weight, group, fuse, pool, slot, source):
-        t = comm.world_size(group)
-        lease = pool.acquire(FORWARD_SCRATCH, _full_shape(x_local, t), x_local.dtype, x_local.device)
-        x_full = comm.all_gather_seq(x_local, group, out=lease.tensor)
-        mid = torch.matmul(x_full, weight.t())
-        lease.release()  # the GEMM above is the last reader (rule 3 in regather.buffers)
+    def forward(ctx, x_local, weight, group, fuse, pool, slot, source, share):
+        if share is not None:  # the gather is shared with the other adapters on this input
+            mid = torch.matmul(share.forward_full(x_local), weight.t())
+            share.forward_done()
+        else:
+            t = comm.world_size(group)
+            lease = pool.acquire(FORWARD_SCRATCH, _full_shape(x_local, t), x_local.dtype, x_local.device)
+            x_full = comm.all_gather_seq(x_local, group, out=lease.tensor)
+            mid = torch.matmul(x_full, weight.t())
+            lease.release()  # the GEMM above is the last reader (rule 3 in regather.buffers)
         _save_shard(ctx, x_local, source, slot)
         ctx.weight = weight  # a parameter: no new memory (see LinearWithWgrad on why not saved)
-        ctx.group, ctx.fuse, ctx.pool = group, fuse, pool
+        ctx.group, ctx.fuse, ctx.pool, ctx.share = group, fuse, pool, share
         return mid
 
     @staticmethod
@@ -210,7 +218,7 @@ class RegatherLinearA(torch.autograd.Function):
             scatter = comm.reduce_scatter_seq(grad_full, ctx.group, async_op=True)
         grad_w = slot.weight_grad_or_defer(weight, grad_mid, ctx.fuse) if need_w else None
         grad_x = scatter.wait() if scatter is not None else None
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def _save_shard(ctx, x_local, source, slot) -> None:
@@ -224,7 +232,8 @@ def _save_shard(ctx, x_local, source, slot) -> None:
 
 def _slot_for_backward(ctx, need_w: bool) -> RegatherSlot:
     saved = ctx.saved_tensors if (ctx.slot is None and need_w) else None
-    return RegatherSlot.for_backward(ctx.slot, ctx.group, ctx.pool, ctx.source, saved, need_w)
+    return RegatherSlot.for_backward(ctx.slot, ctx.group, ctx.pool, ctx.source, saved, need_w,
+                                     getattr(ctx, "share", None))
 
 
 class RegatherSharedLinearA(torch.autograd.Function):
@@ -271,9 +280,9 @@ class DeferredWgrad(torch.autograd.Function):
         return grad_x, ctx.slot.finish_deferred(), None
 
 
-def new_slot(x: torch.Tensor, group, pool: ScratchPool | None, early: bool) -> RegatherSlot:
+def new_slot(x: torch.Tensor, group, pool: ScratchPool | None, early: bool, share=None) -> RegatherSlot:
     """A slot for one forward; ``dA`` is deferred only when ``x`` requires grad."""
-    return RegatherSlot(group, pool or default_pool(), early=early, defer=early and x.requires_grad)
+    return RegatherSlot(group, pool or default_pool(), early=early, defer=early and x.requires_grad, share=share)
 
 
 def anchor(x: torch.Tensor, weight: torch.Tensor, slot: RegatherSlot) -> torch.Tensor:
@@ -283,9 +292,9 @@ def anchor(x: torch.Tensor, weight: torch.Tensor, slot: RegatherSlot) -> torch.T
 
 def regather_linear_a(
     x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bool, pool: ScratchPool | None = None,
-    slot: RegatherSlot | None = None, source=KEEP,
+    slot: RegatherSlot | None = None, source=KEEP, share: SharedGather | None = None,
 ) -> torch.Tensor:
-    return RegatherLinearA.apply(x_local, weight, group, fuse, pool or default_pool(), slot, source)
+    return RegatherLinearA.apply(x_local, weight, group, fuse, pool or default_pool(), slot, source, share)
 
 
 def regather_shared_linear_a(
@@ -299,7 +308,8 @@ def regather_shared_linear_a(
 REGATHER = LoraAPath(
     "regather", saves="x_local [s/t, b, h] (or what its producer keeps)",
     sends="forward: all-gather x (scratch); backward: all-gather x again, reduce-scatter dX", recomputes=True,
-    fn=lambda x, weight, args: regather_linear_a(x, weight, args.group, args.fuse, args.pool, args.slot, args.source))
+    fn=lambda x, weight, args: regather_linear_a(x, weight, args.group, args.fuse, args.pool, args.slot, args.source,
+                                                 args.share))
 REGATHER_SHARED = LoraAPath(
     "regather-shared", saves="x_local [s/t, b, h] (or what its producer keeps)",
     sends="backward: all-gather x again (forward gather and dX reduce-scatter shared with the base)",
