@@ -338,7 +338,7 @@ def find_producer(model: nn.Module, path: str, wrapper: nn.Module):
     parent_path = path.rpartition(".")[0]
     parent = model.get_submodule(parent_path) if parent_path else model
     grand_path = parent_path.rpartition(".")[0]
-    grand = model.get_submodule(grand_path) if parent_path and grand_path else None
+    grand = (model.get_submodule(grand_path) if grand_path else model) if parent_path else None
     base = wrapper.to_wrap
     if name in ("linear_qkv", "linear_fc1") and te.fuses_layernorm(base):
         return TELayerNormProducer(base)
