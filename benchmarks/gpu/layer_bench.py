@@ -7,7 +7,10 @@ strategy costs in compute and memory traffic; the bytes it would send are in
 ``regather estimate``). Memory is real: ``torch.cuda.memory_allocated`` after
 forward (retained until backward) and ``max_memory_allocated`` during
 forward+backward, both relative to the allocation before the step. Times are
-CUDA-event medians, strategies interleaved round by round.
+CUDA-event medians, strategies interleaved round by round. Every strategy's ``-recompute`` variant
+(``LoRA(recompute_adapter_inputs=True)``: qkv/fc1 under regather and lowrank, fc2 under
+every strategy rebuild their input from what its producer keeps) is timed against gather
+and against the same strategy without recompute, paired per round.
 
     python benchmarks/gpu/layer_bench.py --device cuda --out DIR      # Qwen3-8B layer, s=8192
     python benchmarks/gpu/layer_bench.py --dry-run --out DIR          # tiny shapes on CPU (CI-able)
@@ -163,6 +166,8 @@ def main(argv=None) -> int:
     if device == "cpu":
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
+    from regather.lora import adapters
+
     init_fake_group(args.tp)
     prepare_megatron(device, args.seed)
     names = args.strategies.split(",") if args.strategies else strategies_available()
@@ -182,9 +187,10 @@ def main(argv=None) -> int:
         layer.zero_grad(set_to_none=True)
         x.grad = None
         results[n] = step(layer, x, dy, device)
+        results[n]["decisions"] = {path: str(a.last_decision) for path, a in adapters(layer).items()}
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        print(f"{n:<15} retained {results[n]['retained_after_forward'] / 2**20:10.1f} MiB  "
+        print(f"{n:<19} retained {results[n]['retained_after_forward'] / 2**20:10.1f} MiB  "
               f"peak {results[n]['peak'] / 2**20:10.1f} MiB  "
               f"saved adapter-input {results[n]['saved_adapter_input_bytes'] / 2**20:10.3f} MiB", flush=True)
     times = {n: [] for n in names}
@@ -196,13 +202,27 @@ def main(argv=None) -> int:
             x.grad = None
             if r >= args.warmup:
                 times[n].append(dt)
+    from regather.testing.train import base_strategy
+
     base = statistics.median(times["gather"])
     for n in names:
         med = statistics.median(times[n])
-        results[n].update(median_seconds=med, ratio_vs_gather=med / base, times=times[n])
-        print(f"{n:<15} median {med * 1e3:9.3f} ms  x gather {med / base:6.3f}", flush=True)
+        results[n].update(median_seconds=med, ratio_vs_gather=med / base, times=times[n],
+                          paired_ratio_vs_gather=_paired(times[n], times["gather"]))
+        line = f"{n:<19} median {med * 1e3:9.3f} ms  x gather {med / base:6.3f}"
+        b = base_strategy(n)
+        if b != n and b in times:  # a variant against the strategy it varies
+            results[n].update(base=b, ratio_vs_base=med / statistics.median(times[b]),
+                              paired_ratio_vs_base=_paired(times[n], times[b]))
+            line += f"  x {b} {results[n]['ratio_vs_base']:6.3f} (paired {results[n]['paired_ratio_vs_base']:6.3f})"
+        print(line, flush=True)
     write(args, results)
     return 0
+
+
+def _paired(times: list, ref: list) -> float:
+    """Median of per-round ratios (both ran in the same round, order rotated)."""
+    return statistics.median(a / b for a, b in zip(times, ref))
 
 
 def environment(device: str) -> dict:
@@ -236,13 +256,16 @@ def write(args, results: dict) -> None:
         f"- time: median of {args.rounds} forward+backward after {args.warmup} warm-up rounds, strategies "
         "interleaved",
         "",
-        "| strategy | retained after forward MiB | peak fwd+bwd MiB | saved adapter-input MiB | median ms | x gather |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| strategy | retained after forward MiB | peak fwd+bwd MiB | saved adapter-input MiB | median ms | "
+        "x gather (paired) | x same strategy without recompute (paired) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for n, r in results.items():
+        vs_base = (f"{r['ratio_vs_base']:.3f} ({r['paired_ratio_vs_base']:.3f}) vs {r['base']}"
+                   if "base" in r else "-")
         lines.append(f"| {n} | {r['retained_after_forward'] / 2**20:.1f} | {r['peak'] / 2**20:.1f} | "
                      f"{r['saved_adapter_input_bytes'] / 2**20:.1f} | {r['median_seconds'] * 1e3:.3f} | "
-                     f"{r['ratio_vs_gather']:.3f} |")
+                     f"{r['ratio_vs_gather']:.3f} ({r['paired_ratio_vs_gather']:.3f}) | {vs_base} |")
     with open(os.path.join(args.out, "layer_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {args.out}/layer_bench.json and layer_bench.md")

@@ -15,6 +15,10 @@
 #      32 heads / 8 kv, s=8192, b=1, bf16), TP=2 emulated as rank 0 of a fake
 #      process group; per strategy the bytes retained after forward, the peak
 #      of forward+backward, CUDA-event median times and the ratio to gather.
+#      Every strategy also runs as its "-recompute" variant (LoRA(recompute_adapter_inputs=True):
+#      regather-recompute, lowrank-recompute, gather-recompute — on gather only fc2 recomputes),
+#      timed against gather and against the same strategy without recompute (paired per round);
+#      each result lists the adapters' decisions (which input is recomputed, from what).
 # Results: layer_bench.json, layer_bench.md, layer_bench.log in $OUT, or in
 # benchmarks/results/gpu/ when OUT is unset.
 set -uo pipefail

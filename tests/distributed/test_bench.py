@@ -6,7 +6,7 @@ import pytest
 
 from regather import cli
 from regather.bench import runner
-from regather.estimate import Model, Run, estimate
+from regather.estimate import ALL_STRATEGIES, Model, Run, adapter_inputs, estimate
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -14,20 +14,42 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 def _estimate_for(spec: runner.BenchSpec) -> dict:
     model = Model("tiny", hidden=spec.hidden, layers=spec.layers, heads=spec.heads, kv_heads=spec.kv_heads,
                   ffn=spec.ffn, vocab=spec.vocab)
-    run = Run(tp=spec.tp, seq=spec.seq, micro_batch=spec.micro_batch, dtype=spec.dtype,
-              lora_rank=spec.lora_rank, targets=tuple(spec.targets))
-    return estimate(model, run, [s for s in spec.strategies if s in ("gather", "regather", "lowrank")])
+    return estimate(model, _run_for(spec), [s for s in spec.strategies if s in ALL_STRATEGIES])
+
+
+def _run_for(spec: runner.BenchSpec) -> Run:
+    return Run(tp=spec.tp, seq=spec.seq, micro_batch=spec.micro_batch, dtype=spec.dtype,
+               lora_rank=spec.lora_rank, targets=tuple(spec.targets), input_requires_grad=spec.input_requires_grad)
 
 
 def _assert_agree(summary: dict, spec: runner.BenchSpec) -> None:
+    """Adapter-input bytes and extra collective bytes by kind, byte for byte, every strategy and
+    variant; the whole retained total moves by exactly the adapter-input bytes (nothing else
+    that autograd keeps changes); and which adapters recompute is what estimate predicts."""
     est = _estimate_for(spec)
     assert est, "no strategy to compare"
+    gather = summary["strategies"]["gather"]
     for name, e in est.items():
         row = summary["strategies"][name]
         assert row["saved_adapter_input_bytes"] == e["adapter_input_bytes"], name
+        assert gather["saved_bytes"] - row["saved_bytes"] == \
+            gather["saved_adapter_input_bytes"] - row["saved_adapter_input_bytes"], name
         counted = {k: v for k, v in row["comm_bytes_extra_vs_gather"].items() if v}
         assert counted == {k: v for k, v in e["extra_comm_bytes"].items() if v}, name
         assert row["comm_bytes_same_on_all_ranks"], name
+        if name.endswith("-recompute"):
+            _assert_same_adapters_recompute(row["decisions"], spec, name)
+
+
+def _assert_same_adapters_recompute(decisions: dict, spec: runner.BenchSpec, name: str) -> None:
+    model = Model("tiny", hidden=spec.hidden, layers=spec.layers, heads=spec.heads, ffn=spec.ffn)
+    predicted = {}
+    for layer, row in enumerate(adapter_inputs(model, _run_for(spec), name)):
+        for a in row:
+            module = "self_attention" if a.target in ("linear_qkv", "linear_proj") else "mlp"
+            predicted[f"decoder.layers.{layer}.{module}.{a.target}"] = a.recomputed_from is not None
+    measured = {path: ", input recomputed from " in d for path, d in decisions.items()}
+    assert measured == predicted, (name, decisions)
 
 
 def test_cli_writes_reports_and_agrees_with_estimate(tmp_path, capsys):
@@ -65,6 +87,34 @@ def test_bf16_gqa_subset_of_targets_agrees_with_estimate():
         summary["strategies"]["gather"]["saved_adapter_input_bytes"]
 
 
+@pytest.mark.parametrize("targets,input_grad", [
+    (("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), True),  # layer 0's qkv recomputes too
+    (("linear_fc1", "linear_fc2"), False),  # layer 0: fc1's norm keeps nothing, fc2 recomputes (fc1 trains)
+    (("linear_fc2",), False),  # layer 0: nothing upstream trains, fc2 keeps its input; layer 1 recomputes
+], ids=["all-input-grad", "fc1-fc2", "fc2-only"])
+def test_recompute_variants_agree_with_estimate_first_layer_rule(targets, input_grad):
+    """Where the first layer's producers keep nothing (frozen embeddings, no adapter upstream),
+    the adapter keeps its input; bench and estimate agree on which and on every byte."""
+    names = ("gather", "regather", "lowrank", "gather-recompute", "regather-recompute", "lowrank-recompute")
+    spec = runner.BenchSpec(targets=targets, steps=2, warmup=1, quiet=True, timeout=150, input_requires_grad=input_grad,
+                            strategies=tuple(n for n in names if n in runner.available_strategies()))
+    summary = runner.run(spec)
+    _assert_agree(summary, spec)
+    rows = summary["strategies"]
+    for name in spec.strategies:
+        assert rows[name]["max_abs_loss_diff"] == 0.0 or name.startswith("lowrank"), name
+    if "regather-recompute" in rows:
+        assert rows["regather-recompute"]["max_abs_grad_diff"] == 0.0
+        s, b, h, t, e = spec.seq, spec.micro_batch, spec.hidden, spec.tp, 4
+        kept = rows["regather-recompute"]["saved_adapter_input_bytes"]
+        if input_grad:  # only the two linear_proj inputs [s, b, h/t] stay
+            assert kept == 2 * s * b * h // t * e
+        elif targets == ("linear_fc2",):  # layer 0's fc2 input [s, b, ffn/t]
+            assert kept == s * b * spec.ffn // t * e
+        else:  # layer 0's fc1 keeps x_local
+            assert kept == s * b * h // t * e
+
+
 def test_gpu_layer_bench_dry_run_on_cpu(tmp_path):
     """benchmarks/gpu/layer_bench.py's code path (fake process group, every strategy) at tiny shapes."""
     import os
@@ -80,4 +130,13 @@ def test_gpu_layer_bench_dry_run_on_cpu(tmp_path):
     s, b, h, t = 64, 1, 64, 2  # TINY in layer_bench: qkv + fc1 keep x_full under gather, x_local otherwise
     assert res["gather"]["saved_adapter_input_bytes"] - res["regather"]["saved_adapter_input_bytes"] == \
         2 * s * b * h * 4 * (t - 1) // t
+    # a middle layer (its input requires grad): qkv, fc1 and fc2 recompute, only linear_proj's
+    # input [s, b, heads*head_dim/t] stays; gather-recompute drops fc2's input [s, b, ffn/t]
+    proj, fc2 = s * b * 64 // t * 4, s * b * 128 // t * 4
+    for name in ("regather-recompute", "lowrank-recompute"):
+        if name in res:
+            assert res[name]["saved_adapter_input_bytes"] == proj, name
+            assert res[name]["ratio_vs_base"] > 0 and res[name]["base"] == name.split("-")[0]
+    if "gather-recompute" in res:
+        assert res["gather"]["saved_adapter_input_bytes"] - res["gather-recompute"]["saved_adapter_input_bytes"] == fc2
     assert "DRY RUN" in (tmp_path / "layer_bench.md").read_text()

@@ -1,8 +1,12 @@
 """``regather bench``: every strategy on a real megatron-core GPT, counted and timed.
 
-Example (the committed CPU run, benchmarks/results/cpu/)::
+Example (the committed CPU runs: the commands are in benchmarks/results/*/bench.md)::
 
-    regather bench --hidden 256 --layers 2 --heads 4 --ffn 1024 --seq 512 --out benchmarks/results/cpu
+    regather bench --hidden 512 --layers 2 --heads 8 --ffn 2048 --vocab 1024 --seq 1024 --out DIR
+
+Strategies: every one this build implements, and the variants of
+``regather.testing.train.VARIANTS`` (``regather-plain``, ``regather-recompute``,
+``lowrank-recompute``, ``gather-recompute``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ def register(subparsers) -> None:
     g.add_argument("--warmup", type=int, default=d.warmup, help="first steps left out of the time median")
     g.add_argument("--strategies", type=_strategies, default=None,
                    help="comma list (default: all this build implements); gather is always included")
+    g.add_argument("--input-requires-grad", action="store_true",
+                   help="make the decoder input require grad (Megatron Bridge's maybe_enable_recompute_inputs_grad): "
+                        "layer 0's linear_qkv recomputes its input too under the -recompute variants")
     g.add_argument("--timeout", type=float, default=d.timeout, help="expected seconds; ranks still computing are stopped after 3x this "
                    "(REGATHER_TEST_TIMEOUT_SCALE), ranks making no progress after 60 s (REGATHER_STALL_TIMEOUT)")
     g.add_argument("--out", metavar="DIR", help="write bench.json, bench.md and bench.png here")
@@ -68,7 +75,7 @@ def spec_from_args(args) -> BenchSpec:
                      dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                      targets=tuple(args.targets) if not isinstance(args.targets, str) else _targets(args.targets),
                      steps=args.steps, warmup=args.warmup, strategies=tuple(args.strategies or ()),
-                     timeout=args.timeout, quiet=args.quiet)
+                     timeout=args.timeout, quiet=args.quiet, input_requires_grad=args.input_requires_grad)
 
 
 def main(args) -> int:

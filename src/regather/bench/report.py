@@ -71,6 +71,8 @@ def command_line(spec: dict, out: Optional[str] = None) -> str:
              "--micro-batch", spec["micro_batch"], "--dtype", spec["dtype"], "--lora-rank", spec["lora_rank"],
              "--lora-alpha", spec["lora_alpha"], "--targets", ",".join(spec["targets"]),
              "--steps", spec["steps"], "--warmup", spec["warmup"], "--strategies", ",".join(spec["strategies"])]
+    if spec.get("input_requires_grad"):
+        opts += ["--input-requires-grad"]
     if out:
         opts += ["--out", out]
     return "regather bench " + " ".join(shlex.quote(str(o)) for o in opts)
@@ -105,15 +107,27 @@ def rows(summary: dict) -> list[list[str]]:
             f"{r['median_step_time'] * 1e3:.1f}",
             f"{r['step_time_ratio_vs_gather']:.3f}",
             f"{r['paired_step_time_ratio_vs_gather']:.3f}",
+            (f"{r['step_time_ratio_vs_base']:.3f} / {r['paired_step_time_ratio_vs_base']:.3f} vs {r['variant_of']}"
+             if r.get("variant_of") else "-"),
             f"{r['max_abs_loss_diff']:.1e}",
             f"{r['max_abs_grad_diff']:.1e} ({r['max_rel_grad_diff']:.1e})",
-            " + ".join(f"{n} {d}" for d, n in r["adapters_by_strategy"].items()),
+            _adapters(r),
         ])
     return out
 
 
+def _adapters(r: dict) -> str:
+    text = " + ".join(f"{n} {d}" for d, n in r["adapters_by_strategy"].items())
+    inputs = r.get("adapter_inputs") or {}
+    if inputs:
+        done = sum(n for k, n in inputs.items() if k != "kept")
+        text += f"; inputs: {done} recomputed, {inputs.get('kept', 0)} kept"
+    return text
+
+
 HEADER = ["strategy", "retained MiB", "adapter-input MiB", "comm MiB/step", "extra comm vs gather (MiB)",
-          "median step ms", "x gather", "x gather (paired)", "max Δloss", "max Δgrad (rel)", "adapters"]
+          "median step ms", "x gather", "x gather (paired)", "x variant's strategy (median / paired)",
+          "max Δloss", "max Δgrad (rel)", "adapters"]
 
 
 def text_table(summary: dict) -> str:
@@ -133,7 +147,8 @@ def _spec_line(spec: dict) -> str:
     return (f"GPT {spec['layers']} layers, hidden {spec['hidden']}, {spec['heads']} heads{kv}, ffn {spec['ffn']}, "
             f"vocab {spec['vocab']}; TP={spec['tp']} + SP, seq {spec['seq']}, micro-batch {spec['micro_batch']}, "
             f"{spec['dtype']}, LoRA rank {spec['lora_rank']} on {', '.join(spec['targets'])}; "
-            f"{spec['steps']} steps, first {spec['warmup']} not timed")
+            f"{spec['steps']} steps, first {spec['warmup']} not timed"
+            + ("; decoder input requires grad" if spec.get("input_requires_grad") else ""))
 
 
 def markdown(summary: dict) -> str:
@@ -161,7 +176,8 @@ def markdown(summary: dict) -> str:
         "megatron-core's own; step times are the slowest rank's, medians after warm-up, with the ratio",
         "to the gather path measured in the same process group with steps interleaved; *paired* is the",
         "median of per-step ratios. Loss and gradient differences are against the gather path (rank 0,",
-        "last step's LoRA gradients; relative = divided by the largest |gradient|).",
+        "last step's LoRA gradients; relative = divided by the largest |gradient|). A variant",
+        "(`regather-plain`, `…-recompute`) is also timed against the strategy it varies, same pairing.",
     ]
     if summary["backend"] == "gloo":
         lines.append("CPU times show relative cost only; absolute times need a GPU.")
@@ -177,7 +193,7 @@ def chart(summary: dict, path: str) -> None:
 
     names = [n for n, _ in ordered(summary)]
     rs = [r for _, r in ordered(summary)]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(13 + max(0, len(names) - 4), 4.5))
     adapter = [r["saved_adapter_input_bytes"] / 2**20 for r in rs]
     other = [(r["saved_bytes"] - r["saved_adapter_input_bytes"]) / 2**20 for r in rs]
     axes[0].bar(names, other, label="other saved tensors", color="#bbbbbb")
@@ -197,6 +213,8 @@ def chart(summary: dict, path: str) -> None:
     axes[2].axhline(1.0, color="k", lw=0.8)
     axes[2].set_ylabel("median step time / gather")
     axes[2].set_ylim(0, max(ratios) * 1.15)
+    for ax in axes:  # variant names are long
+        ax.tick_params(axis="x", labelrotation=30 if len(names) > 4 else 0, labelsize=8)
     spec, env = summary["spec"], summary["env"]
     fig.suptitle(f"regather bench: h={spec['hidden']} L={spec['layers']} TP={spec['tp']} s={spec['seq']} "
                  f"b={spec['micro_batch']} {spec['dtype']} r={spec['lora_rank']} "

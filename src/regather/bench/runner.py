@@ -11,6 +11,7 @@ per-rank results into one summary per strategy (:func:`summarise`).
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -45,6 +46,9 @@ class BenchSpec:
     seed: int = 1234
     timeout: float = 3600.0
     quiet: bool = False
+    # the decoder input requires grad (Bridge's maybe_enable_recompute_inputs_grad): layer 0's
+    # linear_qkv may then recompute its input too (regather.testing.train.RunConfig)
+    input_requires_grad: bool = False
 
     def run_config(self):
         from regather.testing.models import TinyGPT
@@ -56,7 +60,8 @@ class BenchSpec:
         return RunConfig(strategy="gather", tp=self.tp, sequence_parallel=True, shape=shape,
                          micro_batch=self.micro_batch, steps=self.steps, lr=self.lr, dtype=self.dtype,
                          lora_dim=self.lora_rank, lora_alpha=self.lora_alpha, targets=tuple(self.targets),
-                         lora_B_init_method="normal", seed=self.seed, warmup=self.warmup)
+                         lora_B_init_method="normal", seed=self.seed, warmup=self.warmup,
+                         input_requires_grad=self.input_requires_grad)
 
 
 def available_strategies() -> list[str]:
@@ -168,8 +173,22 @@ def _decision_counts(decisions: dict) -> dict:
     """How many adapters ran each strategy (the reasons are in ``decisions``)."""
     counts: dict[str, int] = {}
     for d in decisions.values():
-        used = d.split(" ", 1)[0]
+        used = re.split(r"[ ,]", d, maxsplit=1)[0]  # "regather, input recomputed from ..."
         counts[used] = counts.get(used, 0) + 1
+    return counts
+
+
+def _recompute_counts(decisions: dict) -> dict:
+    """With recompute asked: how many adapters rebuild their input (by producer), how many keep it."""
+    counts: dict[str, int] = {}
+    for d in decisions.values():
+        if ", input recomputed from " in d:
+            key = "recomputed from " + d.split(", input recomputed from ", 1)[1]
+        elif ", input kept (recompute asked: " in d:
+            key = "kept"
+        else:
+            continue
+        counts[key] = counts.get(key, 0) + 1
     return counts
 
 
@@ -201,13 +220,23 @@ def summarise(per_rank: list, spec: BenchSpec) -> dict:
             "max_abs_grad_diff": grad_abs,
             "max_rel_grad_diff": grad_rel,
             "adapters_by_strategy": _decision_counts(res["decisions"]),
+            "adapter_inputs": _recompute_counts(res["decisions"]),
             "decisions": res["decisions"],
         }
-    base = rows["gather"]["median_step_time"]
-    base_steps = rows["gather"]["step_times"]
-    for row in rows.values():
-        row["step_time_ratio_vs_gather"] = row["median_step_time"] / base
-        # the same step index of both strategies ran back to back: a paired ratio
-        pairs = [a / b for a, b in zip(row["step_times"], base_steps)][spec.warmup:]
-        row["paired_step_time_ratio_vs_gather"] = statistics.median(pairs) if pairs else 1.0
+    from regather.testing.train import base_strategy
+
+    for name, row in rows.items():
+        _ratios(row, rows["gather"], "gather", spec.warmup)
+        base = base_strategy(name)  # a variant against the strategy it varies (regather-recompute: regather)
+        if base != name and base in rows:
+            row["variant_of"] = base
+            _ratios(row, rows[base], "base", spec.warmup)
     return {"spec": asdict(spec), "strategies": rows}
+
+
+def _ratios(row: dict, ref: dict, what: str, warmup: int) -> None:
+    """Median-step ratio and paired ratio (median of per-step ratios: the same step index of
+    both ran in the same rotated round) of ``row`` against ``ref``."""
+    row[f"step_time_ratio_vs_{what}"] = row["median_step_time"] / ref["median_step_time"]
+    pairs = [a / b for a, b in zip(row["step_times"], ref["step_times"])][warmup:]
+    row[f"paired_step_time_ratio_vs_{what}"] = statistics.median(pairs) if pairs else 1.0

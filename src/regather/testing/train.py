@@ -37,6 +37,10 @@ class RunConfig:
     lora_B_init_method: str = "zero"
     seed: int = 1234
     warmup: int = 1  # steps excluded from the step-time median
+    # the decoder's input requires grad although the embeddings are frozen (Megatron Bridge's
+    # maybe_enable_recompute_inputs_grad, HF's enable_input_require_grads): layer 0's norm then
+    # keeps its input, so layer 0's linear_qkv may recompute its adapter input too
+    input_requires_grad: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -44,7 +48,20 @@ class RunConfig:
 
 
 # Variants a benchmark can put side by side: name -> (strategy, LoRA field overrides).
-VARIANTS = {"regather-plain": ("regather", {"early_regather": False})}
+# The "-recompute" ones rebuild adapter inputs from what their producer keeps
+# (regather.producers): qkv/fc1 under regather and lowrank, fc2 under every strategy, so
+# on gather only fc2 recomputes.
+VARIANTS = {
+    "regather-plain": ("regather", {"early_regather": False}),
+    "regather-recompute": ("regather", {"recompute_adapter_inputs": True}),
+    "lowrank-recompute": ("lowrank", {"recompute_adapter_inputs": True}),
+    "gather-recompute": ("gather", {"recompute_adapter_inputs": True}),
+}
+
+
+def base_strategy(name: str) -> str:
+    """The strategy a variant runs (``regather-recompute`` -> ``regather``); a strategy itself."""
+    return VARIANTS.get(name, (name, {}))[0]
 
 
 def _lora_fields() -> set:
@@ -105,7 +122,29 @@ def build_lora_gpt(cfg: RunConfig, device: Optional[torch.device] = None):
     if device is not None and torch.device(device).type != "cpu":
         model = model.to(device)
     torch.manual_seed(cfg.seed + 1)  # adapter init: same on every rank and every TP size
-    return lora_for(cfg)(model, training=True)
+    model = lora_for(cfg)(model, training=True)
+    if cfg.input_requires_grad:
+        require_decoder_input_grad(model)
+    return model
+
+
+def require_decoder_input_grad(model: torch.nn.Module) -> None:
+    """Make the decoder's ``hidden_states`` require grad, as Megatron Bridge's
+    ``maybe_enable_recompute_inputs_grad`` does (``detach().requires_grad_(True)`` before
+    ``TransformerBlock.forward``; Bridge applies it only when activation recompute is on)."""
+
+    def hook(module, args, kwargs):
+        if args:
+            h = args[0]
+            if torch.is_tensor(h) and not h.requires_grad and h.is_floating_point():
+                return (h.detach().requires_grad_(True),) + tuple(args[1:]), kwargs
+            return None
+        h = kwargs.get("hidden_states")
+        if torch.is_tensor(h) and not h.requires_grad and h.is_floating_point():
+            return args, {**kwargs, "hidden_states": h.detach().requires_grad_(True)}
+        return None
+
+    model.decoder.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def token_batches(cfg: RunConfig, tokens: Optional[torch.Tensor] = None):
@@ -151,6 +190,41 @@ def train_lora(rank: int, world_size: int, cfg: RunConfig, tokens: Optional[torc
     out["median_step_time"] = statistics.median(times)
     out["config"] = asdict(cfg)
     return out
+
+
+class AdapterSavedBytes(SavedBytes):
+    """:class:`~regather.accounting.SavedBytes` of a model that also attributes the LoRA-A input
+    bytes (label ``adapter_input:*``) to the adapter saving them, by path: a new storage
+    counted while an adapter's forward runs belongs to that adapter. A recomputing adapter
+    saves a storage its producer saved first, so it is counted 0."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(exclude=list(model.parameters()) + list(model.buffers()))
+        self._current: Optional[str] = None
+        self.by_adapter: dict[str, int] = {}
+        self._handles = []
+        for path, adapter in adapters(model).items():
+            self.by_adapter[path] = 0
+            self._handles.append(adapter.register_forward_pre_hook(lambda m, a, _p=path: self._enter(_p)))
+            self._handles.append(adapter.register_forward_hook(lambda m, a, o: self._enter(None)))
+
+    def _enter(self, path: Optional[str]) -> None:
+        self._current = path
+
+    def _pack(self, t):
+        before = len(self._seen)
+        out = super()._pack(t)
+        if len(self._seen) > before and self._current is not None:
+            name, nbytes = next(reversed(self._seen.values()))
+            if name.startswith(ADAPTER_INPUT):
+                self.by_adapter[self._current] += nbytes
+        return out
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
 
 # -- several strategies in one process group ---------------------------------------
@@ -206,13 +280,14 @@ def compare_strategies(
             dist.barrier()
             t0 = time.perf_counter()
             if step == 0:
-                with CollectiveBytes() as comm, SavedBytes.for_model(model) as saved:
+                with CollectiveBytes() as comm, AdapterSavedBytes(model) as saved:
                     loss = gpt_loss(model, batch)
                     res["comm_bytes_forward"] = comm.snapshot()
                     loss.backward()
                 res["saved_bytes"] = saved.total
                 res["saved_adapter_input_bytes"] = saved.of(ADAPTER_INPUT)
                 res["saved_bytes_by_label"] = saved.by_label()
+                res["saved_adapter_input_bytes_by_adapter"] = dict(saved.by_adapter)
                 res["comm_bytes"] = comm.snapshot()
                 res["comm_calls"] = dict(comm.calls)
             else:
