@@ -1,7 +1,8 @@
 """``regather estimate``: LoRA-A input memory and extra communication, analytically.
 
 Same definitions as ``regather bench`` (design.md §7), so the two agree byte
-for byte on the configurations bench can run (``tests/unit/test_estimate.py``):
+for byte on the configurations bench can run (``tests/distributed/test_bench.py``,
+every strategy and ``-recompute`` variant, frozen and grad-requiring decoder input):
 
 - **adapter-input bytes** — what the LoRA-A weights keep for their gradient,
   per GPU, summed over the adapters of the layers this GPU holds and over the
@@ -18,6 +19,32 @@ for byte on the configurations bench can run (``tests/unit/test_estimate.py``):
   ======================= ===================== =============================
 
   Without SP, or at TP=1, every strategy keeps ``s*b*h*e`` for qkv/fc1.
+
+  **Recompute** (``<strategy>-recompute`` = ``LoRA(recompute_adapter_inputs=True)``,
+  :mod:`regather.producers`): an adapter that rebuilds its input in backward adds
+  **0** bytes — it saves the tensor its producer already keeps. Which ones do:
+
+  ======================= ============================================================
+  adapter                 recomputes when
+  ======================= ============================================================
+  linear_qkv, dense fc1   regather or lowrank on an eligible adapter (SP, TP>1), and the
+                          norm's input (``input_layernorm`` / ``pre_mlp_layernorm``)
+                          requires grad; on the gather path or without SP: kept
+  dense linear_fc2        every strategy, when fc1's output requires grad
+  linear_proj, experts    never (no recomputable producer; experts not modelled)
+  ======================= ============================================================
+
+  A producer keeps a tensor only when its input requires grad (the base weights are
+  frozen). With frozen embeddings the decoder input does not, so layer 0's
+  ``input_layernorm`` keeps nothing and layer 0's qkv keeps its input (``x_local``);
+  likewise layer 0's fc1 when neither qkv nor proj has an adapter, and layer 0's fc2
+  when nothing before it does (:func:`producer_inputs_need_grad`). A later pipeline stage
+  (``first_stage=False``) receives an input that requires grad, as does layer 0 with
+  ``input_requires_grad`` (Megatron Bridge's ``maybe_enable_recompute_inputs_grad``, which
+  Bridge applies when activation recompute is on; HF's ``enable_input_require_grads``).
+  The ``-recompute`` rows give both savings. Transient memory in backward (the rebuilt
+  input, alive until ``dA``; regather's re-gather buffer) is not retained memory and is
+  not counted, as for every strategy.
 - **communication** — bytes each rank *receives* per micro-batch (forward +
   backward) under ring algorithms (``regather.accounting``): an all-gather of an
   output of ``n`` bytes costs ``n*(t-1)/t``, a reduce-scatter of an input of
@@ -33,9 +60,11 @@ for byte on the configurations bench can run (``tests/unit/test_estimate.py``):
                                            all-reduce ``2*s*b*r*e*f``
   ========= ============================== ====================================
 
-  (The first layer's qkv input needs no gradient when the embeddings are
-  frozen, so no path reduce-scatters its ``dX``: lowrank removes one such
-  reduce-scatter less on the first pipeline stage. Lowrank's forward
+  (Where a qkv/fc1 input needs no gradient — the same rule as above: layer 0's
+  qkv with frozen embeddings, layer 0's fc1 with no adapter before it — no path
+  reduce-scatters its ``dX``, so lowrank removes one such reduce-scatter less.
+  Recompute sends nothing: a ``-recompute`` variant sends what its strategy sends.
+  Lowrank's forward
   all-gather of ``mid`` over the sequence, ``s*b*r``
   elements, replaces the gather path's all-gather of ``mid`` over the rank, of
   the same size; its ``dA`` all-reduce is per micro-batch when done in
@@ -69,7 +98,11 @@ from typing import Optional
 ELIGIBLE = ("linear_qkv", "linear_fc1")
 ALL_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 STRATEGIES = ("gather", "regather", "lowrank")
+RECOMPUTE = "-recompute"  # suffix: LoRA(recompute_adapter_inputs=True) on that strategy
+VARIANTS = tuple(name + RECOMPUTE for name in STRATEGIES)
+ALL_STRATEGIES = STRATEGIES + VARIANTS
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+NORM_OF = {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}
 
 
 @dataclass(frozen=True)
@@ -120,8 +153,13 @@ class Run:
     lora_rank: int = 16
     targets: tuple = ALL_TARGETS
     # this GPU holds the first layer: with frozen embeddings, its qkv input needs no
-    # gradient, so no path reduce-scatters that adapter's dX (lowrank removes one RS less)
+    # gradient, so no path reduce-scatters that adapter's dX (lowrank removes one RS less),
+    # and with recompute_adapter_inputs its input_layernorm keeps nothing to recompute from
     first_stage: bool = True
+    # the decoder's input requires grad although the embeddings are frozen (Bridge's
+    # maybe_enable_recompute_inputs_grad when activation recompute is on; HF's
+    # enable_input_require_grads): layer 0 then behaves like every other layer
+    input_requires_grad: bool = False
 
     @property
     def e(self) -> int:
@@ -130,6 +168,14 @@ class Run:
     @property
     def eg(self) -> int:
         return DTYPE_BYTES[self.grad_dtype or self.dtype]
+
+
+def split_strategy(name: str) -> tuple[str, bool]:
+    """``"regather-recompute"`` -> ``("regather", True)``; ``"lowrank"`` -> ``("lowrank", False)``."""
+    base, recompute = (name[: -len(RECOMPUTE)], True) if name.endswith(RECOMPUTE) else (name, False)
+    if base not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; expected one of {ALL_STRATEGIES}")
+    return base, recompute
 
 
 def _ring(nbytes: int, t: int) -> int:
@@ -151,22 +197,103 @@ def eligible_per_layer(model: Model, run: Run) -> list[str]:
     return [n for n in names if not (n == "linear_fc1" and model.moe)]
 
 
-def adapter_input_bytes(model: Model, run: Run, strategy: str) -> dict:
-    """Per GPU, by target: ``{"linear_qkv": n, ..., "experts≈": n}`` (all micro-batches in flight)."""
+def producer_inputs_need_grad(targets, layers: int, decoder_input_grad: bool) -> list[dict]:
+    """Per layer of this GPU: whether the producer of each recomputable adapter input has an
+    input that requires grad — the only case in which its autograd node keeps a tensor to
+    recompute from (base weights are frozen). ``decoder_input_grad``: the first layer's input
+    does (a later pipeline stage; or Bridge/HF make it require grad); otherwise the residual
+    stream starts requiring grad after the first trainable adapter.
+
+    ``linear_qkv``: ``input_layernorm``'s input (the residual stream); ``linear_fc1``:
+    ``pre_mlp_layernorm``'s input (the residual after attention: needs grad once qkv or proj
+    has an adapter); ``linear_fc2``: fc1's output (needs grad when fc1 has an adapter too).
+    """
+    g, out = decoder_input_grad, []
+    for _ in range(layers):
+        row = {"linear_qkv": g}
+        g = g or "linear_qkv" in targets or "linear_proj" in targets
+        row["linear_fc1"] = g
+        row["linear_fc2"] = g or "linear_fc1" in targets
+        g = g or "linear_fc1" in targets or "linear_fc2" in targets
+        out.append(row)
+    return out
+
+
+def _needs_grad(model: Model, run: Run) -> list[dict]:
+    return producer_inputs_need_grad(run.targets, layers_here(model, run),
+                                     run.input_requires_grad or not run.first_stage)
+
+
+@dataclass(frozen=True)
+class AdapterInput:
+    """One adapter's input for LoRA-A's gradient: the bytes it adds (0 when recomputed) and,
+    with recompute asked, the producer it is rebuilt from or why it is kept."""
+
+    target: str
+    kept_bytes: int  # per micro-batch
+    recomputed_from: Optional[str] = None
+    kept_because: Optional[str] = None
+
+
+_NOTHING_KEPT = "it keeps nothing for its backward (neither its input nor its weights need a gradient)"
+
+
+def adapter_inputs(model: Model, run: Run, strategy: str) -> list[list[AdapterInput]]:
+    """Per layer of this GPU (first layer first), each targeted dense adapter's input, per
+    micro-batch. Recompute (``…-recompute``): qkv/fc1 on an eligible regather/lowrank adapter,
+    fc2 on every strategy, when the producer keeps a tensor (:func:`producer_inputs_need_grad`);
+    the reasons are the ones the adapters give (``regather.decisions``)."""
+    base, recompute = split_strategy(strategy)
     s, b, t, e = run.seq, run.micro_batch, run.tp, run.e
     if run.sp and s % t:
         raise ValueError(f"sequence {s} is not divisible by TP {t}")
-    local = strategy != "gather"
     eligible = eligible_per_layer(model, run)
-    per_layer = {}
-    for name in run.targets:
-        if name in ("linear_qkv", "linear_fc1") and not (name == "linear_fc1" and model.moe):
-            per_layer[name] = s * b * model.hidden * e // (t if (local and name in eligible) else 1)
-        elif name == "linear_proj":
-            per_layer[name] = s * b * model.attn_width // t * e
-        elif name == "linear_fc2" and not model.moe:
-            per_layer[name] = s * b * model.ffn // t * e
-    if model.moe:  # approximate: expert TP 1, balanced routing
+    local = base != "gather"
+    layers = []
+    for need_grad in _needs_grad(model, run):
+        row = []
+        for name in ALL_TARGETS:
+            if name not in run.targets or (model.moe and name in ("linear_fc1", "linear_fc2")):
+                continue
+            if name in ("linear_qkv", "linear_fc1"):
+                shard = local and name in eligible
+                kept = s * b * model.hidden * e // (t if shard else 1)
+                if not recompute:
+                    row.append(AdapterInput(name, kept))
+                elif not shard:
+                    path = "gather" if (run.sp and run.tp > 1) else "replicated"
+                    row.append(AdapterInput(name, kept, kept_because=(
+                        f"the {path} path keeps its input as it is (recompute of a column-parallel "
+                        "adapter's input needs regather or lowrank)")))
+                elif not need_grad[name]:
+                    row.append(AdapterInput(name, kept, kept_because=f"{NORM_OF[name]}: {_NOTHING_KEPT}"))
+                else:
+                    row.append(AdapterInput(name, 0, recomputed_from=NORM_OF[name]))
+            elif name == "linear_proj":
+                kept = s * b * model.attn_width // t * e
+                row.append(AdapterInput(name, kept, kept_because=(
+                    "linear_proj has no recomputable producer (only linear_qkv, linear_fc1 and linear_fc2 do)"
+                ) if recompute else None))
+            else:  # dense linear_fc2: the activation output [s, b, ffn/t]
+                kept = s * b * model.ffn // t * e
+                if not recompute:
+                    row.append(AdapterInput(name, kept))
+                elif not need_grad[name]:
+                    row.append(AdapterInput(name, kept, kept_because=f"the MLP activation: {_NOTHING_KEPT}"))
+                else:
+                    row.append(AdapterInput(name, 0, recomputed_from="the MLP activation"))
+        layers.append(row)
+    return layers
+
+
+def adapter_input_bytes(model: Model, run: Run, strategy: str) -> dict:
+    """Per GPU, by target: ``{"linear_qkv": n, ..., "experts≈": n}`` (all micro-batches in flight)."""
+    per_target: dict[str, int] = {}
+    for row in adapter_inputs(model, run, strategy):
+        for a in row:
+            per_target[a.target] = per_target.get(a.target, 0) + a.kept_bytes
+    if model.moe:  # approximate: expert TP 1, balanced routing; experts never recompute (not modelled)
+        s, b, t, e = run.seq, run.micro_batch, run.tp, run.e
         tokens = s * b * model.topk // t
         moe = 0
         if "linear_fc1" in run.targets:
@@ -174,25 +301,42 @@ def adapter_input_bytes(model: Model, run: Run, strategy: str) -> dict:
         if "linear_fc2" in run.targets:
             moe += tokens * model.moe_ffn * e
         if moe:
-            per_layer["experts≈"] = moe
-    n = layers_here(model, run) * run.in_flight
-    return {k: v * n for k, v in per_layer.items()}
+            per_target["experts≈"] = moe * layers_here(model, run)
+    return {k: v * run.in_flight for k, v in per_target.items()}
+
+
+def recompute_summary(model: Model, run: Run, strategy: str) -> dict:
+    """How many adapters recompute their input, by target, and why the others keep it."""
+    recomputed: dict[str, int] = {}
+    kept: dict[str, int] = {}
+    for layer, row in enumerate(adapter_inputs(model, run, strategy)):
+        for a in row:
+            if a.recomputed_from:
+                recomputed[a.target] = recomputed.get(a.target, 0) + 1
+            elif a.kept_because:
+                key = f"{a.target}: {a.kept_because}"
+                kept[key] = kept.get(key, 0) + 1
+    return {"recomputed_by_target": {t: recomputed[t] for t in ALL_TARGETS if t in recomputed},
+            "kept_by_reason": kept}
 
 
 def comm_changes(model: Model, run: Run, strategy: str) -> list[tuple[str, int, str]]:
     """Collectives a strategy adds (+) or removes (-) against the gather path, per micro-batch:
-    ``[(kind, signed bytes received per rank, what), ...]`` summed over the eligible adapters."""
+    ``[(kind, signed bytes received per rank, what), ...]`` summed over the eligible adapters.
+    Recomputing an input sends nothing: a ``…-recompute`` variant sends what its strategy does."""
+    strategy, _ = split_strategy(strategy)
     n = len(eligible_per_layer(model, run)) * layers_here(model, run)
     s, b, h, r, t, e, eg = run.seq, run.micro_batch, model.hidden, run.lora_rank, run.tp, run.e, run.eg
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     if strategy == "gather" or n == 0:
         return []
     x = _ring(s * b * h * e, t)
     if strategy == "regather":
         return [("all_gather", n * x, "backward re-gather of x_local")]
     mid = _ring(s * b * r * e, t)
-    with_dx = n - int(run.first_stage and "linear_qkv" in eligible_per_layer(model, run))
+    # dX exists (and the gather path reduce-scatters it) only where the norm output needs a
+    # gradient: not for layer 0's qkv with frozen embeddings, nor for fc1 before any adapter
+    eligible = eligible_per_layer(model, run)
+    with_dx = sum(need[name] for need in _needs_grad(model, run) for name in eligible)
     return [
         ("all_gather", -n * x, "forward gather of x (not needed)"),
         ("reduce_scatter", -with_dx * x, "backward reduce-scatter of dX (dX is local)"),
@@ -210,24 +354,35 @@ def extra_comm_bytes(model: Model, run: Run, strategy: str) -> dict:
     return out
 
 
-def estimate(model: Model, run: Run, strategies=STRATEGIES) -> dict:
+def _saved(model: Model, run: Run, strategy: str) -> int:
+    return sum(adapter_input_bytes(model, run, "gather").values()) - sum(
+        adapter_input_bytes(model, run, strategy).values())
+
+
+def estimate(model: Model, run: Run, strategies=ALL_STRATEGIES) -> dict:
     """Per strategy: adapter-input bytes (exact, and ≈ experts), saved vs gather, extra comm
-    (net by kind, and the bytes of the collectives it adds)."""
+    (net by kind, and the bytes of the collectives it adds). ``…-recompute`` rows also give
+    the saving for both states of the decoder input (frozen embeddings: layer 0's qkv keeps
+    its shard; an input that requires grad: it recomputes too) and what recomputes."""
     out = {}
-    base = adapter_input_bytes(model, run, "gather")
     for name in strategies:
         parts = adapter_input_bytes(model, run, name)
         exact = sum(v for k, v in parts.items() if not k.endswith("≈"))
         comm = extra_comm_bytes(model, run, name)
-        out[name] = {
+        row = {
             "adapter_input_bytes": exact,
             "adapter_input_bytes_experts_approx": sum(v for k, v in parts.items() if k.endswith("≈")),
             "adapter_input_by_target": parts,
-            "saved_vs_gather": sum(base.values()) - sum(parts.values()),
+            "saved_vs_gather": _saved(model, run, name),
             "extra_comm_bytes": comm,
             "extra_comm_total": sum(comm.values()),
             "added_comm_bytes": sum(n for _, n, _ in comm_changes(model, run, name) if n > 0),
         }
+        if split_strategy(name)[1]:
+            row["saved_vs_gather_frozen_input"] = _saved(model, replace(run, input_requires_grad=False), name)
+            row["saved_vs_gather_input_requires_grad"] = _saved(model, replace(run, input_requires_grad=True), name)
+            row.update(recompute_summary(model, run, name))
+        out[name] = row
     return out
 
 
@@ -238,7 +393,25 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB ({n / 2**30:.3f} GiB)"
 
 
-def format_report(model: Model, run: Run, result: dict) -> str:
+# The reference's measured peak-memory drops with sequence_parallel_input_regather=True
+# (/work/shared/reference: Qwen3-8B TP2 seq 8192; the MoE rows do not state their sequence
+# length, the ones here are assumed), in bytes.
+REFERENCE = {
+    "qwen3-8b": {"tp": 2, "seq": 8192, "saved": 4_731_000_000, "note": "TP2, seq 8192"},
+    "qwen3-30b-a3b": {"tp": 4, "seq": 8192, "saved": 1_569_000_000, "note": "TP4/EP4, seq not stated (8192 assumed)"},
+    "gpt-oss-120b": {"tp": 2, "seq": 4096, "saved": 814_000_000, "note": "TP2/EP8, seq not stated (4096 assumed)"},
+}
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB ({n / 2**30:.3f} GiB)"
+
+
+def _short(reason: str) -> str:
+    return reason.split(" (", 1)[0]
+
+
+def format_report(model: Model, run: Run, result: dict, reference: Optional[dict] = None) -> str:
     eligible = eligible_per_layer(model, run)
     lines = [
         f"{model.name}: h={model.hidden}, {model.layers} layers ({layers_here(model, run)} on this GPU), "
@@ -247,14 +420,33 @@ def format_report(model: Model, run: Run, result: dict) -> str:
         f"run: TP={run.tp} SP={'on' if run.sp else 'off'} seq={run.seq} micro-batch={run.micro_batch} "
         f"in-flight={run.in_flight} PP={run.pp} {run.dtype} LoRA r={run.lora_rank} on {', '.join(run.targets)}",
         f"re-gather-eligible adapters per layer: {', '.join(eligible) or 'none'}",
-        "",
+        "decoder input: " + ("requires grad" if run.input_requires_grad else
+                             "a later pipeline stage's (requires grad)" if not run.first_stage else
+                             "frozen embeddings (needs no grad; --input-requires-grad: as with Bridge's "
+                             "maybe_enable_recompute_inputs_grad / HF's enable_input_require_grads)"),
     ]
+    if reference:
+        lines.append(f"reference measured (peak-memory drop, sequence_parallel_input_regather=True, "
+                     f"{reference['note']}): {_gb(reference['saved'])}")
+    lines.append("")
     for name, row in result.items():
         lines.append(f"[{name}]")
         lines.append(f"  adapter-input bytes per GPU : {_gb(row['adapter_input_bytes'])}")
         if row["adapter_input_bytes_experts_approx"]:
             lines.append(f"    + expert adapters (≈)    : {_gb(row['adapter_input_bytes_experts_approx'])}")
         lines.append(f"  saved vs gather             : {_gb(row['saved_vs_gather'])}")
+        if "saved_vs_gather_frozen_input" in row:
+            frozen, grad = row["saved_vs_gather_frozen_input"], row["saved_vs_gather_input_requires_grad"]
+            if frozen != grad:
+                this = "input requires grad" if row["saved_vs_gather"] == grad else "frozen embeddings"
+                lines.append(f"    frozen embeddings        : {_gb(frozen)}"
+                             f"{'  <- this run' if this == 'frozen embeddings' else ''}")
+                lines.append(f"    input requires grad      : {_gb(grad)}"
+                             f"{'  <- this run' if this != 'frozen embeddings' else ''}")
+            done = ", ".join(f"{k} {v}" for k, v in row["recomputed_by_target"].items()) or "none"
+            lines.append(f"  inputs recomputed           : {done}")
+            for why, n in row["kept_by_reason"].items():
+                lines.append(f"    kept: {n} x {_short(why)}")
         comm = row["extra_comm_bytes"]
         if comm:
             kinds = ", ".join(f"{k} {v / 2**20:+,.1f} MiB" for k, v in comm.items())
@@ -292,7 +484,13 @@ def register(subparsers) -> None:
                         "float32 with gradient-accumulation fusion)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--targets", type=_targets, default=",".join(ALL_TARGETS))
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--strategies", default=",".join(ALL_STRATEGIES),
+                   help="some of " + ", ".join(ALL_STRATEGIES) + " (-recompute: recompute_adapter_inputs=True)")
+    p.add_argument("--input-requires-grad", action="store_true",
+                   help="the decoder input requires grad (Bridge's maybe_enable_recompute_inputs_grad, HF's "
+                        "enable_input_require_grads): layer 0's linear_qkv recomputes too")
+    p.add_argument("--later-stage", dest="first_stage", action="store_false",
+                   help="this GPU is a later pipeline stage (its input comes from p2p and requires grad)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=main)
 
@@ -310,14 +508,19 @@ def main(args) -> int:
     model = model_from_args(args)
     run = Run(tp=args.tp, sp=args.sp, seq=args.seq, micro_batch=args.micro_batch, in_flight=args.in_flight,
               pp=args.pp, dtype=args.dtype, grad_dtype=args.grad_dtype, lora_rank=args.lora_rank,
-              targets=tuple(args.targets) if not isinstance(args.targets, str) else _targets(args.targets))
+              targets=tuple(args.targets) if not isinstance(args.targets, str) else _targets(args.targets),
+              first_stage=args.first_stage, input_requires_grad=args.input_requires_grad)
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in ALL_STRATEGIES]
     if unknown:
-        raise SystemExit(f"regather estimate: unknown strategies {unknown}; expected some of {STRATEGIES}")
+        raise SystemExit(f"regather estimate: unknown strategies {unknown}; expected some of {ALL_STRATEGIES}")
     result = estimate(model, run, strategies)
+    ref = REFERENCE.get(args.model)
+    if ref is not None and (ref["tp"], ref["seq"]) != (run.tp, run.seq) or model.name.endswith("(custom)"):
+        ref = None
     if args.json:
-        print(json.dumps({"model": asdict(model), "run": asdict(run), "strategies": result}, indent=1))
+        print(json.dumps({"model": asdict(model), "run": asdict(run), "strategies": result,
+                          "reference_saved": ref}, indent=1))
     else:
-        print(format_report(model, run, result))
+        print(format_report(model, run, result, ref))
     return 0

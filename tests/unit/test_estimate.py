@@ -5,7 +5,9 @@ import json
 import pytest
 
 from regather import cli
-from regather.estimate import PRESETS, Model, Run, adapter_input_bytes, comm_changes, estimate
+from dataclasses import replace
+
+from regather.estimate import PRESETS, Model, Run, adapter_input_bytes, adapter_inputs, comm_changes, estimate
 
 QWEN3_8B = PRESETS["qwen3-8b"]
 S, B, H = 8192, 1, 4096
@@ -73,3 +75,84 @@ def test_rejects_bad_sizes():
         adapter_input_bytes(QWEN3_8B, Run(tp=3, seq=8192), "gather")
     with pytest.raises(ValueError, match="pipeline"):
         adapter_input_bytes(QWEN3_8B, Run(pp=5), "gather")
+
+
+# -- recompute_adapter_inputs (the "-recompute" variants) ------------------------------------
+
+X_FULL, FC2_IN = S * B * H * 2, S * B * 12288 // 2 * 2  # bf16 bytes per adapter: qkv/fc1 input, fc2 input
+
+
+def test_qwen3_8b_recompute_saves_every_qkv_fc1_input_and_every_fc2_input():
+    """The issue's 8.456 GB (x_full of 72 adapters + 36 fc2 inputs) when the decoder input requires
+    grad; with frozen embeddings layer 0's input_layernorm keeps nothing, so its qkv keeps x_local."""
+    for name in ("regather-recompute", "lowrank-recompute"):
+        grad = estimate(QWEN3_8B, Run(tp=2, seq=S, input_requires_grad=True), [name])[name]
+        assert grad["saved_vs_gather"] == 72 * X_FULL + 36 * FC2_IN == 8_455_716_864
+        frozen = estimate(QWEN3_8B, Run(tp=2, seq=S), [name])[name]
+        assert frozen["saved_vs_gather"] == 71 * X_FULL + X_FULL // 2 + 36 * FC2_IN == 8_422_162_432
+        assert frozen["saved_vs_gather_frozen_input"] == frozen["saved_vs_gather"]
+        assert frozen["saved_vs_gather_input_requires_grad"] == grad["saved_vs_gather"]
+        assert frozen["recomputed_by_target"] == {"linear_qkv": 35, "linear_fc1": 36, "linear_fc2": 36}
+        (why,) = [k for k in frozen["kept_by_reason"] if k.startswith("linear_qkv")]
+        assert "input_layernorm: it keeps nothing for its backward" in why and frozen["kept_by_reason"][why] == 1
+        # only linear_proj's inputs and layer 0's x_local remain
+        assert frozen["adapter_input_bytes"] == 36 * S * B * 4096 // 2 * 2 + X_FULL // 2
+
+
+def test_recompute_sends_what_its_strategy_sends():
+    res = estimate(QWEN3_8B, Run(tp=2, seq=S))
+    for name in ("gather", "regather", "lowrank"):
+        assert res[name + "-recompute"]["extra_comm_bytes"] == res[name]["extra_comm_bytes"]
+
+
+def test_gather_recompute_rebuilds_only_fc2():
+    res = estimate(QWEN3_8B, Run(tp=2, seq=S), ["gather-recompute"])["gather-recompute"]
+    assert res["saved_vs_gather"] == 36 * FC2_IN == 3_623_878_656
+    assert res["recomputed_by_target"] == {"linear_fc2": 36}
+    assert any("the gather path keeps its input as it is" in k for k in res["kept_by_reason"])
+
+
+def test_first_layer_rule_follows_the_trainable_adapters():
+    """Layer 0's producers keep a tensor only once something upstream needs a gradient."""
+    m = Model("m", hidden=64, layers=2, heads=4, ffn=128)
+
+    def recomputed(targets, **kw):
+        layers = adapter_inputs(m, Run(tp=2, seq=32, micro_batch=2, dtype="float32", targets=targets, **kw),
+                                "regather-recompute")
+        return [{a.target: a.recomputed_from is not None for a in row} for row in layers]
+
+    assert recomputed(("linear_fc2",)) == [{"linear_fc2": False}, {"linear_fc2": True}]
+    assert recomputed(("linear_fc1", "linear_fc2")) == [{"linear_fc1": False, "linear_fc2": True},
+                                                        {"linear_fc1": True, "linear_fc2": True}]
+    assert recomputed(("linear_qkv",))[0] == {"linear_qkv": False}
+    assert recomputed(("linear_qkv",), input_requires_grad=True)[0] == {"linear_qkv": True}
+    assert recomputed(("linear_qkv",), first_stage=False)[0] == {"linear_qkv": True}  # p2p input needs grad
+
+
+def test_lowrank_removes_a_dx_reduce_scatter_only_where_dx_exists():
+    m = Model("m", hidden=64, layers=2, heads=4, ffn=128)
+    run = Run(tp=2, seq=32, micro_batch=2, dtype="float32", targets=("linear_fc1", "linear_fc2"))
+    x, mid = 32 * 2 * 64 * 4 // 2, 32 * 2 * 16 * 4 // 2
+    assert estimate(m, run, ["lowrank"])["lowrank"]["extra_comm_bytes"]["reduce_scatter"] == -1 * x + 2 * mid
+    grad = estimate(m, replace(run, input_requires_grad=True), ["lowrank"])["lowrank"]
+    assert grad["extra_comm_bytes"]["reduce_scatter"] == -2 * x + 2 * mid
+
+
+def test_no_sp_keeps_qkv_fc1_but_fc2_recomputes():
+    res = estimate(QWEN3_8B, Run(tp=2, sp=False, seq=S), ["regather-recompute"])["regather-recompute"]
+    assert res["recomputed_by_target"] == {"linear_fc2": 36}
+    assert any("the replicated path keeps its input" in k for k in res["kept_by_reason"])
+
+
+def test_unknown_variant_and_cli_report(capsys):
+    with pytest.raises(ValueError, match="unknown strategy"):
+        estimate(QWEN3_8B, Run(), ["bogus-recompute"])
+    assert cli.main(["estimate", "--model", "qwen3-8b", "--tp", "2", "--seq", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "reference measured" in out and "4.731 GB" in out
+    assert "[regather-recompute]" in out and "8.422 GB" in out and "8.456 GB" in out
+    assert "kept: 1 x linear_qkv: input_layernorm: it keeps nothing for its backward" in out
+    assert cli.main(["estimate", "--model", "qwen3-8b", "--input-requires-grad", "--json",
+                     "--strategies", "regather-recompute"]) == 0
+    row = json.loads(capsys.readouterr().out)["strategies"]["regather-recompute"]
+    assert row["saved_vs_gather"] == 8_455_716_864
