@@ -11,24 +11,38 @@ nccl-ub              error    expandable segments with NCCL user-buffer registra
                               (``--use-nccl-ub`` / config ``nccl_ub``)
 cuda-graph-register  error    CUDA graphs + expandable segments, ``NCCL_GRAPH_REGISTER`` not ``0``
 cpu-offload-pp       error    CPU offloading with pipeline parallelism > 1
+full-recompute-      warning  full activation recompute, PP=1, frozen embeddings: megatron's
+frozen-input                  reentrant checkpoint never runs its backward (no LoRA gradients)
 regather-off         warning  LoRA + SP keeps full gathered LoRA-A inputs (strategy gather)
                               while adapters could re-gather
 regather-no-effect   info     re-gather asked, but SP is off or TP is 1
-adapter              info /   every LoRA adapter's decision (strategy used and why);
-                     warning  a fallback that is not by design is a warning
-saving               info     estimated LoRA-A input memory saved per GPU
+adapter              info /   every LoRA adapter's decision (strategy used and why; with
+                     warning  ``--recompute-adapter-inputs`` whether its input is recomputed and
+                              from what, or why it is kept); a fallback that is not by design
+                              is a warning
+saving               info     estimated LoRA-A input memory saved per GPU (re-gather, and the
+                              inputs recompute rebuilds)
 ==================== ======== ==================================================
 
 Everything is a pure function of an env mapping and a :class:`Setup`, so each
 finding is testable without GPUs. Adapter decisions come from the same
-:func:`regather.eligibility.unsupported_reason` every adapter runs; with
-``--build`` the tiny megatron-core GPT is built on ``tp`` CPU gloo ranks, LoRA
-is applied and :func:`regather.decisions` is listed instead.
+:func:`regather.eligibility.unsupported_reason` every adapter runs; the recompute
+part from :func:`recompute_part`, which writes the sentences the adapters and their
+producers give (``regather.producers``) in the order they check them — including the
+per-forward one for layer 0 (frozen embeddings: ``input_layernorm`` keeps nothing, so
+layer 0's ``linear_qkv`` keeps its input), :func:`regather.estimate.producer_inputs_need_grad`.
+With ``--build`` the tiny megatron-core GPT is built on ``tp`` CPU gloo ranks, LoRA
+is applied, :func:`regather.decisions` is read and, with recompute, one training step
+runs so each adapter's per-forward checks (``last_decision``) show too. Two megatron
+checkpoints cannot run on CPU (selective ``mlp``: endless recursion on gloo; selective
+``layernorm``: needs TE); the step runs without them and the affected adapters' recompute
+sentence comes from the rules, marked ``recompute_reason_from_rules``.
 
 The saving uses :func:`regather.estimate.adapter_input_bytes` (``s*b*h*e`` on
 the gather path against ``s*b*h*e/t`` when re-gathering, i.e.
 ``s*b*h*e*(t-1)/t`` per adapter and micro-batch in flight), counted only for
-the adapters whose decision is not the gather path.
+the adapters whose decision is not the gather path; plus, per recomputing adapter,
+its ``x_local`` (qkv/fc1) or its input ``s*b*ffn/t*e`` (fc2).
 """
 
 from __future__ import annotations
@@ -86,6 +100,11 @@ class Setup:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_modules: tuple = ()
+    # LoRA(recompute_adapter_inputs=True), and what decides which producers keep a tensor
+    recompute_adapter_inputs: bool = False
+    input_requires_grad: bool = False  # the decoder input requires grad (Bridge / HF hooks)
+    activation: str = "gelu"  # the MLP's: "gelu" or "swiglu" (silu, gated)
+    add_bias_linear: bool = True  # megatron's default (the tiny test GPT has biases)
 
 
 # -- environment / configuration findings --------------------------------------------
@@ -143,6 +162,16 @@ def env_findings(env: Mapping[str, str], setup: Setup) -> list[Finding]:
             f"(it is {graph_register!r}); MCore's CudaGraphManager enforces it on pre-Blackwell GPUs",
             "export NCCL_GRAPH_REGISTER=0",
         ))
+    if setup.recompute_granularity == "full" and setup.pp == 1 and not setup.input_requires_grad:
+        out.append(Finding(
+            "full-recompute-frozen-input", "warning",
+            "full activation recompute with frozen embeddings at PP=1: megatron's reentrant checkpoint "
+            "runs its backward only for an input that requires grad, so the LoRA weights inside get no "
+            "gradient unless the recipe makes the decoder input require grad (Megatron Bridge's PEFT does: "
+            "maybe_enable_recompute_inputs_grad; then pass --input-requires-grad)",
+            "make the decoder input require grad (HF: enable_input_require_grads; megatron: a forward "
+            "pre-hook on the TransformerBlock returning hidden_states.detach().requires_grad_(True))",
+        ))
     if setup.cpu_offloading and setup.pp > 1:
         out.append(Finding(
             "cpu-offload-pp", "error",
@@ -176,15 +205,20 @@ def _requested(setup: Setup):
 
 
 def analytic_decisions(setup: Setup) -> dict[str, dict]:
-    """``{path: {"requested", "used", "reason"}}`` for every adapter, from the eligibility rules."""
+    """``{path: {"requested", "used", "reason", "recompute", "recompute_reason"}}`` for every
+    adapter, from the eligibility rules and, with ``recompute_adapter_inputs``, the producer
+    rules (:func:`recompute_part`); the last two are None when recompute is not asked."""
     from regather.eligibility import AdapterFacts, RunState, unsupported_reason
+    from regather.estimate import producer_inputs_need_grad
     from regather.strategies import Strategy
 
     requested = _requested(setup)
     config = _config_namespace(setup)
     state = RunState(training=True, grad_enabled=True, in_recompute=False, lora_a_trainable=True)
+    layers = setup.layers // max(setup.pp, 1)
+    needs_grad = producer_inputs_need_grad(setup.targets, layers, setup.input_requires_grad)
     out = {}
-    for layer in range(setup.layers // max(setup.pp, 1)):
+    for layer in range(layers):
         for name in setup.targets:
             module = "self_attention" if name in ("linear_qkv", "linear_proj") else "mlp"
             facts = AdapterFacts(
@@ -194,20 +228,87 @@ def analytic_decisions(setup: Setup) -> dict[str, dict]:
             )
             reason = None if requested == Strategy.GATHER else unsupported_reason(facts, config, state)
             used = Strategy.GATHER if reason else requested
+            recompute, why = recompute_part(setup, name, used.value, needs_grad[layer].get(name, False))
             out[f"decoder.layers.{layer}.{module}.{name}"] = {
-                "requested": requested.value, "used": used.value, "reason": reason}
+                "requested": requested.value, "used": used.value, "reason": reason,
+                "recompute": recompute, "recompute_reason": why}
     return out
 
 
+NORM_OF = {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}
+_NOTHING_KEPT = "it keeps nothing for its backward (neither its input nor its weights need a gradient)"
+
+
+def activation_name(setup: Setup) -> str:
+    """The producer name an MLP activation has in ``regather.decisions`` (regather.producers)."""
+    return "the MLP activation (silu, gated)" if setup.activation == "swiglu" else "the MLP activation (gelu)"
+
+
+def recompute_part(setup: Setup, name: str, used: str, producer_input_needs_grad: bool
+                   ) -> tuple[Optional[str], Optional[str]]:
+    """``(producer, None)`` when the adapter on ``name`` recomputes its input, ``(None, reason)``
+    when it keeps it — the sentences :meth:`ParallelLinearAdapter.decide` and the producers'
+    per-forward checks give (``regather.producers``), in the same order; ``(None, None)`` when
+    recompute is not asked."""
+    if not setup.recompute_adapter_inputs:
+        return None, None
+    sp = setup.sp and setup.tp > 1
+    if name in COLUMN_PARALLEL and (not sp or used == "gather"):
+        path = "gather" if sp else "replicated"
+        return None, (f"the {path} path keeps its input as it is (recompute of a column-parallel "
+                      "adapter's input needs regather or lowrank)")
+    if name == "linear_proj":
+        return None, "linear_proj has no recomputable producer (only linear_qkv, linear_fc1 and linear_fc2 do)"
+    if setup.moe and name in ("linear_fc1", "linear_fc2"):
+        return None, "expert MLP: not predicted by the rules (run with --build, or read regather.decisions)"
+    if name == "linear_fc2" and setup.cpu_offloading:
+        return None, "CPU activation offloading is on (cpu_offloading=True)"
+    modules = list(setup.recompute_modules)
+    if _checkpointed(setup, name):  # what the adapter says in the recompute pass (the first runs without grad)
+        return None, "running inside activation checkpointing (its recompute must save what forward saved)"
+    if name == "linear_fc2":
+        producer = activation_name(setup)
+        if setup.activation == "swiglu" and setup.add_bias_linear:
+            # unfused bias + gated activation: the activation keeps only views of (fc1 output + bias)
+            return None, f"{producer}: it does not keep the tensor it would be recomputed from (saving that would add bytes)"
+    else:
+        producer = NORM_OF[name]
+        if setup.recompute_granularity == "selective" and "layernorm" in modules:
+            return None, f"selective recompute covers 'layernorm' (recompute_modules={modules})"
+    if not producer_input_needs_grad:
+        return None, f"{producer}: {_NOTHING_KEPT}"
+    return producer, None
+
+
+def _checkpointed(setup: Setup, name: str) -> bool:
+    """The adapter's forward runs inside megatron's activation checkpoint (full, or selective 'mlp' for fc2)."""
+    return setup.recompute_granularity == "full" or (
+        setup.recompute_granularity == "selective" and name == "linear_fc2" and "mlp" in setup.recompute_modules)
+
+
+def _cpu_cannot_run(setup: Setup, name: str) -> Optional[str]:
+    """Why ``--build``'s CPU step cannot show this adapter's per-forward recompute reason."""
+    modules = setup.recompute_modules if setup.recompute_granularity == "selective" else ()
+    if name == "linear_fc2" and "mlp" in modules:
+        return "megatron's selective 'mlp' checkpoint recurses without end on CPU/gloo"
+    if name in COLUMN_PARALLEL and "layernorm" in modules:
+        return "megatron's selective 'layernorm' checkpoint needs Transformer Engine"
+    return None
+
+
 def _build_rank(rank, world_size, setup: Setup):
-    """Rank body for ``--build``: the tiny GPT with LoRA, then ``regather.decisions``."""
+    """Rank body for ``--build``: the tiny GPT with LoRA; ``regather.decisions`` before a step,
+    then one training step (forward + backward), whose per-forward producer checks can still
+    make an adapter keep its input (each adapter's ``last_decision`` says why)."""
     import dataclasses
 
     import torch
+    import torch.nn.functional as F
 
-    from regather.lora import LoRA, decisions
+    from regather.lora import LoRA, adapters, decisions
     from regather.strategies import Strategy
-    from regather.testing.models import TinyGPT, build_gpt
+    from regather.testing.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
+    from regather.testing.train import require_decoder_input_grad
 
     overrides = {}
     if setup.recompute_granularity:
@@ -216,21 +317,54 @@ def _build_rank(rank, world_size, setup: Setup):
             overrides.update(recompute_method=setup.recompute_method or "uniform", recompute_num_layers=1)
         elif setup.recompute_modules:
             overrides["recompute_modules"] = list(setup.recompute_modules)
-    model = build_gpt(TinyGPT(num_layers=setup.layers, hidden_size=setup.hidden, num_attention_heads=setup.heads,
-                              ffn_hidden_size=setup.ffn, seq_length=setup.seq),
-                      setup.tp, setup.sp, torch.float32, **overrides)
+    if setup.activation == "swiglu":
+        overrides.update(gated_linear_unit=True, activation_func=F.silu)
+    if not setup.add_bias_linear:
+        overrides["add_bias_linear"] = False
+    shape = TinyGPT(num_layers=setup.layers, hidden_size=setup.hidden, num_attention_heads=setup.heads,
+                    ffn_hidden_size=setup.ffn, seq_length=setup.seq)
+    model = build_gpt(shape, setup.tp, setup.sp, torch.float32, **overrides)
     # features a CPU build cannot turn on; eligibility reads them from the shared config
     model.config.cuda_graph_impl = "local" if setup.cuda_graphs else getattr(model.config, "cuda_graph_impl", "none")
     model.config.cpu_offloading = setup.cpu_offloading
     requested = _requested(setup)
     kwargs = dict(target_modules=list(setup.targets), dim=setup.lora_rank, alpha=2 * setup.lora_rank)
-    if "strategy" in {f.name for f in dataclasses.fields(LoRA)}:
-        kwargs["strategy"] = requested.value
+    if setup.recompute_adapter_inputs:
+        kwargs["recompute_adapter_inputs"] = True
+    fields = {f.name for f in dataclasses.fields(LoRA)}
+    if requested != Strategy.GATHER and "sequence_parallel_input_strategy" in fields:
+        kwargs["sequence_parallel_input_strategy"] = requested.value
     else:
         kwargs["sequence_parallel_input_regather"] = requested == Strategy.REGATHER
     model = LoRA(**kwargs)(model, training=True)
-    return {path: {"requested": d.requested.value, "used": d.used.value, "reason": d.reason}
-            for path, d in decisions(model).items()}
+    # full recompute: megatron's reentrant checkpoint runs its backward only for an input that
+    # requires grad, which Bridge arranges for PEFT (maybe_enable_recompute_inputs_grad)
+    if setup.input_requires_grad or setup.recompute_granularity == "full":
+        require_decoder_input_grad(model)
+    before = decisions(model)
+    ruled = {}
+    if setup.recompute_adapter_inputs and not setup.cuda_graphs and not setup.cpu_offloading:
+        for layer in model.decoder.layers:  # checkpoints the CPU cannot run (see _cpu_cannot_run)
+            if _cpu_cannot_run(setup, "linear_fc2"):
+                layer.recompute_mlp = False
+            if _cpu_cannot_run(setup, "linear_qkv"):
+                layer.recompute_input_layernorm = layer.recompute_pre_mlp_layernorm = False
+        gpt_loss(model, gpt_batch(shape, setup.micro_batch, seed=0)).backward()
+        rules = analytic_decisions(setup)
+        ruled = {p: _cpu_cannot_run(setup, p.rsplit(".", 1)[-1]) for p in before}
+    out = {}
+    for path, adapter in adapters(model).items():
+        d = before[path]
+        seen = adapter.last_decision
+        if ruled.get(path) and d.recompute is not None:  # what the step could not show: the rules' sentence
+            d = dataclasses.replace(d, recompute=rules[path]["recompute"], recompute_reason=rules[path]["recompute_reason"])
+        elif d.recompute is not None and seen is not None and seen.recompute is None and seen.recompute_reason:
+            d = dataclasses.replace(d, recompute=None, recompute_reason=seen.recompute_reason)
+        out[path] = {"requested": d.requested.value, "used": d.used.value, "reason": d.reason,
+                     "recompute": d.recompute, "recompute_reason": d.recompute_reason}
+        if ruled.get(path) and d.recompute_reason:
+            out[path]["recompute_reason_from_rules"] = ruled[path]
+    return out
 
 
 def built_decisions(setup: Setup, timeout: float = 180.0) -> dict[str, dict]:
@@ -241,6 +375,9 @@ def built_decisions(setup: Setup, timeout: float = 180.0) -> dict[str, dict]:
 
 
 _BY_DESIGN = ("base layer", "module is in eval mode", "autograd is disabled", "running inside")
+# reasons to keep an input under recompute_adapter_inputs that point at something to change
+_UNEXPECTED_KEPT = ("dropout is applied", "the adapter input is not", "CPU activation", "selective recompute",
+                    "no producer attached")
 
 
 def _natural(path: str):
@@ -248,17 +385,41 @@ def _natural(path: str):
     return [int(p) if p.isdigit() else p for p in path.split(".")]
 
 
+def describe(d: Mapping) -> str:
+    """A decision dict as ``str(regather.adapter.Decision)`` writes it."""
+    text = d["used"]
+    if d["used"] != d["requested"]:
+        text += f" (asked {d['requested']}: {d['reason']})"
+    if d.get("recompute"):
+        text += f", input recomputed from {d['recompute']}"
+    elif d.get("recompute_reason"):
+        text += f", input kept (recompute asked: {d['recompute_reason']})"
+    return text
+
+
 def adapter_findings(setup: Setup, decisions: Mapping[str, Mapping]) -> list[Finding]:
     out = []
     for path in sorted(decisions, key=_natural):
         d = decisions[path]
-        if d["reason"] is None:
-            out.append(Finding("adapter", "info", f"{path}: {d['used']}"))
+        kept = d.get("recompute_reason")
+        if d["reason"] is None and kept is None:
+            out.append(Finding("adapter", "info", f"{path}: {describe(d)}"))
             continue
-        expected = d["reason"].startswith(_BY_DESIGN) or "expert" in d["reason"]
+        expected = d["reason"] is None or d["reason"].startswith(_BY_DESIGN) or "expert" in d["reason"]
         fix = None if expected else _fix_for_reason(d["reason"])
-        out.append(Finding("adapter", "info" if expected else "warning",
-                           f"{path}: asked {d['requested']}, uses {d['used']}: {d['reason']}", fix))
+        if kept is not None:
+            kept_expected = not kept.startswith(_UNEXPECTED_KEPT) and "bit for bit" not in kept
+            expected = expected and kept_expected
+            fix = fix or _fix_for_kept(kept)
+        if d["reason"] is None:
+            message = f"{path}: {describe(d)}"
+        else:
+            message = f"{path}: asked {d['requested']}, uses {d['used']}: {d['reason']}" + (
+                f"; input kept (recompute asked: {kept})" if kept else
+                f"; input recomputed from {d['recompute']}" if d.get("recompute") else "")
+        if d.get("recompute_reason_from_rules"):
+            message += f" [from the rules: {d['recompute_reason_from_rules']}]"
+        out.append(Finding("adapter", "info" if expected else "warning", message, fix))
     column = [p for p in decisions if p.rsplit(".", 1)[-1] in COLUMN_PARALLEL]
     if setup.strategy == "gather" and setup.sp and setup.tp > 1 and column and not setup.moe:
         out.append(Finding(
@@ -288,6 +449,18 @@ def _fix_for_reason(reason: str) -> Optional[str]:
     return None
 
 
+def _fix_for_kept(reason: str) -> Optional[str]:
+    if _NOTHING_KEPT in reason:
+        return ("recomputable only when the decoder input requires grad (Bridge's "
+                "maybe_enable_recompute_inputs_grad with activation recompute, HF's enable_input_require_grads; "
+                "--input-requires-grad shows it)")
+    if reason.startswith("selective recompute covers 'layernorm'"):
+        return "drop 'layernorm' from recompute_modules: the norm's input is then kept and the adapter recomputes from it"
+    if "dropout_position='pre'" in reason:
+        return "dropout_position='post' (or dropout=0) lets the adapter input be recomputed"
+    return None
+
+
 def per_adapter_saving(setup: Setup, target: str = "linear_qkv") -> tuple[int, str]:
     """Bytes one re-gathering adapter saves per GPU (all micro-batches in flight), and how it was computed."""
     try:
@@ -310,15 +483,39 @@ def _dtype_bytes(dtype: str) -> int:
     return {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}[dtype]
 
 
+def _bytes_of(setup: Setup, target: str, strategy: str) -> int:
+    """One adapter's kept input bytes per GPU (all micro-batches in flight) under ``strategy``."""
+    from regather import estimate as est
+
+    model = est.Model("doctor", hidden=setup.hidden, layers=1, heads=setup.heads, ffn=setup.ffn)
+    run = est.Run(tp=setup.tp, sp=setup.sp, seq=setup.seq, micro_batch=setup.micro_batch,
+                  in_flight=setup.in_flight, dtype=setup.dtype, targets=(target,))
+    return est.adapter_input_bytes(model, run, strategy).get(target, 0)
+
+
 def saving_finding(setup: Setup, decisions: Mapping[str, Mapping]) -> Finding:
+    """Re-gathering adapters save x_full - x_local each; with recompute_adapter_inputs, a
+    recomputing qkv/fc1 adapter saves its x_local too (x_full in all) and a recomputing fc2
+    adapter its input ``s*b*ffn/t*e`` (regather.estimate's bytes)."""
     local = [p for p, d in decisions.items() if d["used"] != "gather"]
     per, how = per_adapter_saving(setup)
     total = per * len(local)
+    text = (f"estimated LoRA-A input memory saved per GPU: {{total}} = {len(local)} re-gathering adapter(s) x "
+            f"{per:,} bytes")
+    col = [p for p, d in decisions.items() if d.get("recompute") and p.rsplit(".", 1)[-1] in COLUMN_PARALLEL]
+    fc2 = [p for p, d in decisions.items() if d.get("recompute") and p.rsplit(".", 1)[-1] == "linear_fc2"]
+    if setup.recompute_adapter_inputs:
+        x_local = _bytes_of(setup, "linear_qkv", "regather")
+        fc2_in = _bytes_of(setup, "linear_fc2", "gather")
+        total += len(col) * x_local + len(fc2) * fc2_in
+        kept = sum(1 for d in decisions.values() if d.get("recompute_reason"))
+        text += (f" + {len(col)} recomputed qkv/fc1 input(s) x {x_local:,} bytes (x_local) + {len(fc2)} recomputed "
+                 f"fc2 input(s) x {fc2_in:,} bytes (s*b*ffn/t*e); {kept} adapter(s) keep their input")
+    text = text.replace("{total}", f"{total:,} bytes ({total / 2**30:.3f} GiB)")
     return Finding(
         "saving", "info",
-        f"estimated LoRA-A input memory saved per GPU: {total:,} bytes ({total / 2**30:.3f} GiB) = "
-        f"{len(local)} re-gathering adapter(s) x {per:,} bytes [{how}; s={setup.seq}, b={setup.micro_batch}, "
-        f"h={setup.hidden}, t={setup.tp}, {setup.dtype}, {setup.in_flight} micro-batch(es) in flight]",
+        f"{text} [{how}; s={setup.seq}, b={setup.micro_batch}, h={setup.hidden}, ffn={setup.ffn}, t={setup.tp}, "
+        f"{setup.dtype}, {setup.in_flight} micro-batch(es) in flight]",
     )
 
 
@@ -355,8 +552,17 @@ def register(subparsers) -> None:
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     p.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     p.add_argument("--recompute-modules", type=_csv, default=())
+    p.add_argument("--recompute-adapter-inputs", action="store_true",
+                   help="LoRA(recompute_adapter_inputs=True): which adapter inputs are rebuilt in backward, from what")
+    p.add_argument("--input-requires-grad", action="store_true",
+                   help="the decoder input requires grad (Bridge's maybe_enable_recompute_inputs_grad, HF's "
+                        "enable_input_require_grads): layer 0's producers then keep their input")
+    p.add_argument("--activation", choices=["gelu", "swiglu"], default=d.activation, help="the MLP's activation")
+    p.add_argument("--no-bias", dest="add_bias_linear", action="store_false",
+                   help="add_bias_linear=False (Qwen/Llama-style linears without bias)")
     p.add_argument("--build", action="store_true",
-                   help="build the GPT on --tp CPU gloo ranks and list regather.decisions(model)")
+                   help="build the GPT on --tp CPU gloo ranks and ask its adapters (regather.decisions, then "
+                        "each adapter's decision in one training step for the recompute checks)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
 
@@ -367,7 +573,10 @@ def setup_from_args(args) -> Setup:
                  in_flight=args.in_flight, dtype=args.dtype, strategy=args.strategy, targets=tuple(args.targets),
                  lora_rank=args.lora_rank, use_nccl_ub=args.use_nccl_ub, cuda_graphs=args.cuda_graphs,
                  cpu_offloading=args.cpu_offloading, recompute_granularity=args.recompute_granularity,
-                 recompute_method=args.recompute_method, recompute_modules=tuple(args.recompute_modules))
+                 recompute_method=args.recompute_method, recompute_modules=tuple(args.recompute_modules),
+                 recompute_adapter_inputs=args.recompute_adapter_inputs,
+                 input_requires_grad=args.input_requires_grad, activation=args.activation,
+                 add_bias_linear=args.add_bias_linear)
 
 
 def main(args, env: Optional[Mapping[str, str]] = None) -> int:
@@ -382,7 +591,8 @@ def main(args, env: Optional[Mapping[str, str]] = None) -> int:
         print(json.dumps({"setup": asdict(setup), "findings": [asdict(f) for f in findings]}, indent=1))
     else:
         print(f"regather doctor: TP={setup.tp} PP={setup.pp} SP={'on' if setup.sp else 'off'} "
-              f"strategy={setup.strategy} ({'built model' if args.build else 'eligibility rules'})")
+              f"strategy={setup.strategy}{' + recompute_adapter_inputs' if setup.recompute_adapter_inputs else ''} "
+              f"({'built model' if args.build else 'eligibility rules'})")
         for f in findings:
             print(f)
     return 1 if any(f.level == "error" for f in findings) else 0

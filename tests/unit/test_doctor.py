@@ -115,3 +115,105 @@ def test_built_model_decisions_agree_with_the_rules():
     s = Setup(layers=1, recompute_granularity="selective", recompute_modules=("mlp",))
     built = doctor.built_decisions(s, timeout=150)
     assert built == doctor.analytic_decisions(s)
+
+
+# -- recompute_adapter_inputs ------------------------------------------------------------------
+
+NOTHING_KEPT = "it keeps nothing for its backward (neither its input nor its weights need a gradient)"
+
+
+def _adapter_lines(setup):
+    return {f.message.split(":", 1)[0]: f for f in diagnose(GOOD_ENV, setup) if f.code == "adapter"}
+
+
+def test_recompute_rules_layer0_qkv_keeps_its_input_with_frozen_embeddings():
+    d = doctor.analytic_decisions(Setup(recompute_adapter_inputs=True))
+    assert d["decoder.layers.0.self_attention.linear_qkv"]["recompute"] is None
+    assert d["decoder.layers.0.self_attention.linear_qkv"]["recompute_reason"] == f"input_layernorm: {NOTHING_KEPT}"
+    assert d["decoder.layers.1.self_attention.linear_qkv"]["recompute"] == "input_layernorm"
+    assert d["decoder.layers.0.mlp.linear_fc1"]["recompute"] == "pre_mlp_layernorm"
+    assert all(d[f"decoder.layers.{i}.mlp.linear_fc2"]["recompute"] == "the MLP activation (gelu)" for i in (0, 1))
+    assert "no recomputable producer" in d["decoder.layers.0.self_attention.linear_proj"]["recompute_reason"]
+    lines = _adapter_lines(Setup(recompute_adapter_inputs=True))
+    qkv0 = lines["decoder.layers.0.self_attention.linear_qkv"]
+    assert qkv0.level == "info" and "input kept (recompute asked: input_layernorm" in qkv0.message
+    assert "requires grad" in qkv0.fix
+    assert lines["decoder.layers.1.self_attention.linear_qkv"].message.endswith(
+        ": regather, input recomputed from input_layernorm")
+    grad = doctor.analytic_decisions(Setup(recompute_adapter_inputs=True, input_requires_grad=True))
+    assert grad["decoder.layers.0.self_attention.linear_qkv"]["recompute"] == "input_layernorm"
+
+
+def test_recompute_saving_line_counts_x_local_and_fc2_inputs():
+    s = Setup(recompute_adapter_inputs=True, layers=2, hidden=64, ffn=128, seq=32, micro_batch=2, tp=2,
+              dtype="bfloat16")
+    (saving,) = [f for f in diagnose(GOOD_ENV, s) if f.code == "saving"]
+    x_local, fc2 = 32 * 2 * 64 // 2 * 2, 32 * 2 * 128 // 2 * 2
+    total = 4 * x_local + 3 * x_local + 2 * fc2  # re-gather 4, recompute 3 qkv/fc1 (not layer 0's qkv), 2 fc2
+    assert f"{total:,} bytes" in saving.message
+    assert f"3 recomputed qkv/fc1 input(s) x {x_local:,}" in saving.message
+    assert f"2 recomputed fc2 input(s) x {fc2:,}" in saving.message
+
+
+def test_recompute_on_gather_only_fc2_and_the_reasons():
+    d = doctor.analytic_decisions(Setup(recompute_adapter_inputs=True, strategy="gather"))
+    assert d["decoder.layers.1.self_attention.linear_qkv"]["recompute_reason"].startswith(
+        "the gather path keeps its input as it is")
+    assert d["decoder.layers.1.mlp.linear_fc2"]["recompute"] == "the MLP activation (gelu)"
+    nosp = doctor.analytic_decisions(Setup(recompute_adapter_inputs=True, sp=False))
+    assert nosp["decoder.layers.1.mlp.linear_fc1"]["recompute_reason"].startswith("the replicated path")
+    assert nosp["decoder.layers.1.mlp.linear_fc2"]["recompute"] == "the MLP activation (gelu)"
+
+
+def test_recompute_fallbacks_from_checkpointing_and_activations():
+    full = doctor.analytic_decisions(Setup(recompute_adapter_inputs=True, recompute_granularity="full"))
+    assert full["decoder.layers.1.mlp.linear_fc2"]["recompute_reason"].startswith("running inside activation")
+    assert "full-recompute-frozen-input" in codes(diagnose(GOOD_ENV, Setup(recompute_granularity="full")), "warning")
+    ln = doctor.analytic_decisions(Setup(recompute_adapter_inputs=True, recompute_granularity="selective",
+                                         recompute_modules=("layernorm",)))
+    assert ln["decoder.layers.1.self_attention.linear_qkv"]["recompute_reason"] == \
+        "selective recompute covers 'layernorm' (recompute_modules=['layernorm'])"
+    assert _adapter_lines(Setup(recompute_adapter_inputs=True, recompute_granularity="selective",
+                                recompute_modules=("layernorm",)))[
+        "decoder.layers.1.self_attention.linear_qkv"].level == "warning"
+    gated = doctor.analytic_decisions(Setup(recompute_adapter_inputs=True, activation="swiglu"))
+    assert "does not keep the tensor" in gated["decoder.layers.1.mlp.linear_fc2"]["recompute_reason"]
+    nobias = doctor.analytic_decisions(Setup(recompute_adapter_inputs=True, activation="swiglu", add_bias_linear=False))
+    assert nobias["decoder.layers.1.mlp.linear_fc2"]["recompute"] == "the MLP activation (silu, gated)"
+
+
+def test_decisions_without_recompute_have_no_recompute_part():
+    d = doctor.analytic_decisions(Setup())
+    assert all(v["recompute"] is None and v["recompute_reason"] is None for v in d.values())
+    assert all("input kept" not in f.message and "input recomputed" not in f.message
+               for f in diagnose(GOOD_ENV, Setup()) if f.code == "adapter")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("setup", [
+    Setup(recompute_adapter_inputs=True),  # layer 0's qkv: its norm keeps nothing
+    Setup(recompute_adapter_inputs=True, input_requires_grad=True, strategy="lowrank"),
+    Setup(recompute_adapter_inputs=True, strategy="gather", targets=("linear_fc1", "linear_fc2")),
+    Setup(recompute_adapter_inputs=True, activation="swiglu"),  # gated + unfused bias: fc2 keeps
+    Setup(recompute_adapter_inputs=True, recompute_granularity="full", recompute_method="uniform",
+          input_requires_grad=True),
+], ids=["frozen", "input-grad-lowrank", "gather-fc1-fc2", "swiglu-bias", "full"])
+def test_built_recompute_decisions_agree_with_the_rules(setup):
+    """--build asks the adapters (decisions, then one training step's per-forward checks)."""
+    built = doctor.built_decisions(setup, timeout=150)
+    assert built == doctor.analytic_decisions(setup)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_built_selective_mlp_recompute_marks_what_came_from_the_rules():
+    s = Setup(recompute_adapter_inputs=True, recompute_granularity="selective", recompute_modules=("mlp",))
+    built = doctor.built_decisions(s, timeout=150)
+    fc2 = built["decoder.layers.1.mlp.linear_fc2"]
+    assert fc2.pop("recompute_reason_from_rules").startswith("megatron's selective 'mlp' checkpoint")
+    assert fc2["recompute_reason"].startswith("running inside activation checkpointing")
+    assert built["decoder.layers.0.self_attention.linear_qkv"]["recompute_reason"] == f"input_layernorm: {NOTHING_KEPT}"
+    for path, d in built.items():
+        d.pop("recompute_reason_from_rules", None)
+    assert built == doctor.analytic_decisions(s)
