@@ -9,6 +9,13 @@ import pytest
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
+def _row(out: str, label: str) -> list[int]:
+    """The three byte columns (gather, regather, +recompute) of a table row."""
+    m = re.search(rf"^\s+{re.escape(label)}\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s", out, flags=re.M)
+    assert m, (label, out)
+    return [int(v.replace(",", "")) for v in m.groups()]
+
+
 def test_demo_short_run_prints_identical_losses_and_bytes_cut_by_tp():
     proc = subprocess.run(
         [sys.executable, "-m", "regather", "demo", "--steps", "5", "--hidden", "64", "--seq", "32",
@@ -17,10 +24,24 @@ def test_demo_short_run_prints_identical_losses_and_bytes_cut_by_tp():
     )
     out = proc.stdout
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(yes|NO)$", out, flags=re.M)
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(yes|NO)$", out, flags=re.M)
     assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5]
-    assert all(r[1] == r[2] and r[3] == "yes" for r in rows)
+    assert all(r[1] == r[2] == r[3] and r[4] == "yes" for r in rows)  # gather, regather, +recompute
     assert "Losses identical on every rank: yes" in out
     assert "cut by a factor 2 (TP=2)" in out
-    assert re.search(r"decoder\.layers\.0\.self_attention\.linear_qkv\s+regather", out)
-    assert re.search(r"decoder\.layers\.1\.mlp\.linear_fc2\s+gather \(asked regather: base layer", out)
+    # the third column: every recomputing qkv/fc1 and fc2 adapter input at 0 new bytes
+    s, b, h, ffn, t, e = 32, 2, 64, 256, 2, 4
+    assert _row(out, "3 recomputing") == [3 * s * b * h * e, 3 * s * b * h // t * e, 0]
+    assert _row(out, "fc2 (row-parallel, 2 recomp.)") == [2 * s * b * ffn // t * e] * 2 + [0]
+    assert _row(out, "1 keeping (see below)") == [s * b * h * e, s * b * h // t * e, s * b * h // t * e]
+    total = _row(out, "retained activations, total")
+    inputs = _row(out, "of which LoRA-A inputs")
+    assert total[0] - total[2] == inputs[0] - inputs[2]  # nothing else retained changes
+    assert "save 0 new bytes for it" in out
+    assert re.search(r"decoder\.layers\.0\.self_attention\.linear_qkv\s+regather, input kept \(recompute asked: "
+                     r"input_layernorm: it keeps nothing for its backward", out)
+    assert re.search(r"decoder\.layers\.1\.self_attention\.linear_qkv\s+regather, input recomputed from "
+                     r"input_layernorm", out)
+    assert re.search(r"decoder\.layers\.1\.mlp\.linear_fc2\s+gather \(asked regather: base layer.*input "
+                     r"recomputed from the MLP activation \(gelu\)", out)
+    assert "keeps its input: decoder.layers.0.self_attention.linear_qkv: input_layernorm" in out
