@@ -20,7 +20,11 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	$(PIP) install -q $(TORCH_PIN)
 	# megatron-core declares heavy optional deps; it runs on CPU with numpy + packaging.
 	$(PIP) install -q --no-deps $(MEGATRON_PIN)
-	$(PIP) install -q -r requirements-dev.txt
+	# Constraints hold torch at the build installed above: peft and accelerate require torch; should
+	# one of them (or a later pin) want a torch this build does not satisfy, pip fails here instead of
+	# replacing it with another build from the index (a CUDA wheel of several GB).
+	echo '$(TORCH_PIN)' > $(VENV)/constraints.txt
+	$(PIP) install -q -c $(VENV)/constraints.txt -r requirements-dev.txt
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
