@@ -21,6 +21,14 @@ case               overlap     distributed  fusion  param gather   strategies
                                                                    gather-shared
 =================  ==========  ===========  ======  =============  =========================
 
+"rc": ``LoRA(recompute_adapter_inputs=True)`` variants (issue 9), registered here into
+``megatron_train.STRATEGIES``: ``regather-rc``, ``regather-plain-rc``, ``lowrank-rc``,
+``lowrank-finalize-rc`` and ``gather-rc`` (on the gather path only linear_fc2 recomputes). Each is
+compared like the others with the case's gather run (bit-exact, or lowrank's tolerance) and, where
+the case has it, bit-exact with the same strategy without recompute (``RECOMPUTE_TWIN``):
+``sync`` adds regather-rc, lowrank-rc, gather-rc; ``overlap_fused`` adds regather-rc and
+lowrank-finalize-rc; ``fused`` regather-plain-rc; ``param_gather`` regather-rc.
+
 "all": gather, regather (early re-gather), regather-plain (``early_regather=False``),
 lowrank with ``lowrank_grad_allreduce="backward"`` and ``="finalize_model_grads"``,
 gather-shared and regather-shared (``share_sequence_gather=True``). ``fused`` (TP=2 only,
@@ -35,8 +43,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from regather.testing.megatron_train import DDPOptions, TrainSpec, teardown_parallel, train_agreed, warm_up
+from regather.testing.megatron_train import (
+    STRATEGIES,
+    DDPOptions,
+    TrainSpec,
+    teardown_parallel,
+    train_agreed,
+    warm_up,
+)
 from regather.testing.models import TinyGPT
+
+# recompute_adapter_inputs variants: the strategy's entry plus the flag (imported in every rank too)
+RECOMPUTE_TWIN = {"regather-rc": "regather", "regather-plain-rc": "regather-plain", "lowrank-rc": "lowrank",
+                  "lowrank-finalize-rc": "lowrank-finalize", "gather-rc": "gather"}
+for _rc, _twin in RECOMPUTE_TWIN.items():
+    _strategy, _fields = STRATEGIES[_twin]
+    STRATEGIES.setdefault(_rc, (_strategy, {**_fields, "recompute_adapter_inputs": True}))
 
 STEPS, MICRO_BATCHES = 3, 4
 BUCKET = 600  # elements: the LoRA parameters of each chunk span several DDP buckets
@@ -54,7 +76,7 @@ REFERENCE = {"regather-shared": "gather-shared"}
 # batches, so their floor is higher (measured up to 1.43e-6 at step 3, VPP, lr 1e-5):
 # ``REL_LATER`` keeps a 2x margin above it. A real error (a missing TP sum, a stale weight)
 # is O(1e-2 .. 1) relative.
-ROUNDING = ("lowrank", "lowrank-finalize", "gather-shared")
+ROUNDING = ("lowrank", "lowrank-finalize", "gather-shared", "lowrank-rc", "lowrank-finalize-rc")
 REL_FIRST, REL_LATER = 1e-6, 3e-6
 
 
@@ -98,20 +120,22 @@ class Case:
 
 
 CASES = {
-    "sync": Case(DDPOptions(), False, (CONTROL, *ALL)),
+    "sync": Case(DDPOptions(), False, (CONTROL, *ALL, "regather-rc", "lowrank-rc", "gather-rc")),
     "overlap_fused": Case(DDPOptions(overlap_grad_reduce=True, use_distributed_optimizer=True,
                                      bucket_size=BUCKET), True,
-                          (CONTROL, "gather", "regather", "lowrank", "lowrank-finalize")),
-    "fused": Case(DDPOptions(), True, ("gather", "regather", "lowrank")),
+                          (CONTROL, "gather", "regather", "lowrank", "lowrank-finalize", "regather-rc",
+                           "lowrank-finalize-rc")),
+    "fused": Case(DDPOptions(), True, ("gather", "regather", "lowrank", "regather-plain-rc")),
     "param_gather": Case(DDPOptions(overlap_grad_reduce=True, use_distributed_optimizer=True,
                                     overlap_param_gather=True, bucket_size=BUCKET), False,
                          ("gather", "regather", "regather-plain", "lowrank", "gather-shared",
-                          "regather-shared")),
+                          "regather-shared", "regather-rc")),
     "param_sync": Case(DDPOptions(overlap_grad_reduce=True, use_distributed_optimizer=True,
                                   bucket_size=BUCKET), False, ("gather", "lowrank", "gather-shared")),
 }
 # the run of ``param_sync`` whose used weights a ``param_gather`` run must reproduce exactly
-SYNC_TWIN = {"regather": "gather", "regather-plain": "gather", "regather-shared": "gather-shared"}
+SYNC_TWIN = {"regather": "gather", "regather-plain": "gather", "regather-shared": "gather-shared",
+             "regather-rc": "gather"}
 
 
 def cases_for(topology: str) -> list[str]:

@@ -16,6 +16,7 @@ from integration_cases import (
     CASES,
     CONTROL,
     MICRO_BATCHES,
+    RECOMPUTE_TWIN,
     SYNC_TWIN,
     TOPOLOGIES,
     reference_of,
@@ -88,10 +89,33 @@ def same(got, ref, what: str, rel: float | None) -> None:
         assert abs(got - ref) <= rel * abs(ref), f"{what}: {got!r} vs {ref!r} (rel > {rel:g})"
 
 
-def _expected_decision(strategy: str, path: str) -> str | None:
+def _expected_decision(strategy: str, path: str, first_chunk: bool = False) -> str | None:
+    """The decision of an eligible adapter (None: not checked). ``first_chunk``: the chunk holding
+    the embedding (pipeline rank 0, chunk 0), whose first layer's input needs no gradient."""
+    recompute = strategy in RECOMPUTE_TWIN
+    base = RECOMPUTE_TWIN.get(strategy, strategy)
     used = {"regather-plain": "regather", "regather-shared": "regather", "gather-shared": "gather",
-            "lowrank-finalize": "lowrank"}.get(strategy, strategy)
-    return used if path.endswith(ELIGIBLE) else None
+            "lowrank-finalize": "lowrank"}.get(base, base)
+    name = path.rsplit(".", 1)[-1]
+    if not recompute:
+        return used if path.endswith(ELIGIBLE) else None
+    if name in ("linear_fc2", "linear_proj"):
+        head = "gather" if used == "gather" else ROW_FALLBACK.format(used, name)
+        return head + (RECOMPUTED_FC2 if name == "linear_fc2" else KEPT.format(NO_PRODUCER))
+    if used == "gather":
+        return "gather" + KEPT.format(GATHER_PATH)
+    if name == "linear_qkv" and first_chunk and ".layers.0." in path:
+        return used + KEPT.format(FROZEN_INPUT)
+    return used + ", input recomputed from " + ("input_layernorm" if name == "linear_qkv" else "pre_mlp_layernorm")
+
+
+ROW_FALLBACK = "gather (asked {}: base layer {!r} is row-parallel (its input is split over hidden, not sequence))"
+RECOMPUTED_FC2 = ", input recomputed from the MLP activation (gelu)"
+KEPT = ", input kept (recompute asked: {})"
+GATHER_PATH = ("the gather path keeps its input as it is (recompute of a column-parallel adapter's input needs "
+               "regather or lowrank)")
+NO_PRODUCER = "linear_proj has no recomputable producer (only linear_qkv, linear_fc1 and linear_fc2 do)"
+FROZEN_INPUT = "input_layernorm: it keeps nothing for its backward (neither its input nor its weights need a gradient)"
 
 
 def dp_groups(res: list[dict]) -> dict:
@@ -138,7 +162,8 @@ class TopologyTests:
         for rank, (g, r) in enumerate(zip(got, ref)):
             assert g["coords"] == r["coords"]
             for path, decision in g["decisions"].items():
-                want = _expected_decision(strategy, path)
+                first_chunk = g["coords"]["pp"] == 0 and path.startswith("chunk0.")
+                want = _expected_decision(strategy, path, first_chunk)
                 if want is not None:
                     assert decision == want, f"rank {rank} {path}: {decision} (wanted {want})"
             where = f"rank {rank} {case}/{strategy} vs {reference_of(strategy)}"
@@ -150,6 +175,23 @@ class TopologyTests:
                 if check_param:
                     same(g["param"][step], r["param"][step], f"{where} step {step} param", rel)
             same(g["final_param"], r["final_param"], f"{where} final_param", tolerance(strategy, 1))
+
+    # parametrised per class by conftest.pytest_generate_tests: rc_run = a recompute run whose
+    # twin (same strategy without recompute) is in the same case
+    @pytest.mark.timeout(TEST_TIMEOUT)
+    def test_recompute_matches_its_twin_exactly(self, ranks, rc_run):
+        """recompute_adapter_inputs changes where LoRA-A's input comes from, never a value: every
+        loss, main_grad, used weight and parameter bit-identical to the same strategy without
+        recompute in the same case (lowrank included)."""
+        case, strategy = rc_run
+        twin = RECOMPUTE_TWIN[strategy]
+        got, ref = results(ranks, case, strategy), results(ranks, case, twin)
+        for rank, (g, r) in enumerate(zip(got, ref)):
+            where = f"rank {rank} {case}/{strategy} vs {twin}"
+            for key in ("loss", "main_grad", "used", "final_param"):
+                same(g[key], r[key], f"{where} {key}", None)
+            if not CASES[case].ddp.overlap_param_gather:
+                same(g["param"], r["param"], f"{where} param", None)
 
     @pytest.mark.timeout(TEST_TIMEOUT)
     def test_run_trains_consistently(self, ranks, run):
@@ -233,9 +275,13 @@ class ParamGatherTests:
 def generate(metafunc) -> None:
     """``pytest_generate_tests`` body: ``run`` = every (case, strategy) of the class's topology."""
     cls = metafunc.cls
-    if cls is None or "run" not in metafunc.fixturenames:
+    if cls is None:
         return
     pairs = runs_for(cls.TOPOLOGY)
-    metafunc.parametrize("run", pairs, ids=[f"{c}-{s}" for c, s in pairs])
+    if "run" in metafunc.fixturenames:
+        metafunc.parametrize("run", pairs, ids=[f"{c}-{s}" for c, s in pairs])
+    if "rc_run" in metafunc.fixturenames:
+        rc = [(c, s) for c, s in pairs if RECOMPUTE_TWIN.get(s) in CASES[c].strategies]
+        metafunc.parametrize("rc_run", rc, ids=[f"{c}-{s}" for c, s in rc])
 
 
