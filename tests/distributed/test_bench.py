@@ -103,8 +103,12 @@ def test_recompute_variants_agree_with_estimate_first_layer_rule(targets, input_
     rows = summary["strategies"]
     for name in spec.strategies:
         assert rows[name]["max_abs_loss_diff"] == 0.0 or name.startswith("lowrank"), name
+    for name in spec.strategies:  # the producers' recomputes are clocked only where they exist
+        assert ("recompute_times" in rows[name]) == name.endswith("-recompute"), name
     if "regather-recompute" in rows:
         assert rows["regather-recompute"]["max_abs_grad_diff"] == 0.0
+        assert rows["regather-recompute"]["variant_of"] == "regather"
+        assert len(rows["regather-recompute"]["recompute_times"]) == spec.steps
         s, b, h, t, e = spec.seq, spec.micro_batch, spec.hidden, spec.tp, 4
         kept = rows["regather-recompute"]["saved_adapter_input_bytes"]
         if input_grad:  # only the two linear_proj inputs [s, b, h/t] stay

@@ -179,6 +179,13 @@ def markdown(summary: dict) -> str:
         "last step's LoRA gradients; relative = divided by the largest |gradient|). A variant",
         "(`regather-plain`, `…-recompute`) is also timed against the strategy it varies, same pairing.",
     ]
+    timed = [(n, r) for n, r in ordered(summary) if "median_recompute_time" in r]
+    if timed:
+        lines += ["", "Time inside the producers' recomputes (the norm / activation rerun in backward; clocked "
+                  "around each call, slowest rank per step, median after warm-up):", ""]
+        lines += [f"- {n}: {r['median_recompute_time'] * 1e3:.2f} ms per step, "
+                  f"{r['recompute_share_of_step'] * 100:.2f} % of the step" for n, r in timed]
+        lines.append("")
     if summary["backend"] == "gloo":
         lines.append("CPU times show relative cost only; absolute times need a GPU.")
     return "\n".join(lines) + "\n"

@@ -219,6 +219,7 @@ def summarise(per_rank: list, spec: BenchSpec) -> dict:
             "max_abs_loss_diff": max(abs(a - b) for a, b in zip(res["loss"], ref["loss"])),
             "max_abs_grad_diff": grad_abs,
             "max_rel_grad_diff": grad_rel,
+            **_recompute_clock(per_rank, name, spec),
             "adapters_by_strategy": _decision_counts(res["decisions"]),
             "adapter_inputs": _recompute_counts(res["decisions"]),
             "decisions": res["decisions"],
@@ -232,6 +233,19 @@ def summarise(per_rank: list, spec: BenchSpec) -> dict:
             row["variant_of"] = base
             _ratios(row, rows[base], "base", spec.warmup)
     return {"spec": asdict(spec), "strategies": rows}
+
+
+def _recompute_clock(per_rank: list, name: str, spec: BenchSpec) -> dict:
+    """Seconds per step spent in the producers' recomputes (slowest rank per step), and their
+    median share of the step, for runs whose adapters have producers."""
+    if not all("recompute_time" in r[name] for r in per_rank):
+        return {}
+    spent = [max(r[name]["recompute_time"][i] for r in per_rank) for i in range(spec.steps)]
+    steps = [max(r[name]["step_time"][i] for r in per_rank) for i in range(spec.steps)]
+    timed = list(zip(spent, steps))[spec.warmup:] or list(zip(spent, steps))
+    return {"recompute_times": spent,
+            "median_recompute_time": statistics.median(a for a, _ in timed),
+            "recompute_share_of_step": statistics.median(a / b for a, b in timed)}
 
 
 def _ratios(row: dict, ref: dict, what: str, warmup: int) -> None:

@@ -227,6 +227,30 @@ class AdapterSavedBytes(SavedBytes):
         self._handles.clear()
 
 
+def _time_recomputes(model: torch.nn.Module) -> Optional[list]:
+    """Wrap each adapter producer's ``recompute`` (the op rerun in backward, and once in the
+    first forward to verify it) with a clock; returns the one-element accumulator, or None
+    when no adapter has a producer. The wrapper only adds ``perf_counter`` calls."""
+    clock = [0.0]
+    found = False
+    for adapter in adapters(model).values():
+        producer = getattr(adapter, "producer", None)
+        if producer is None:
+            continue
+        found = True
+        inner = producer.recompute
+
+        def timed(*args, _inner=inner):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*args)
+            finally:
+                clock[0] += time.perf_counter() - t0
+
+        producer.recompute = timed
+    return clock if found else None
+
+
 # -- several strategies in one process group ---------------------------------------
 
 
@@ -270,6 +294,7 @@ def compare_strategies(
         named[name] = {n: p for n, p in models[name].named_parameters() if p.requires_grad}
         opts[name] = torch.optim.Adam(named[name].values(), lr=cfg.lr)
     out = {name: {"loss": [], "step_time": [], "rank": rank} for name in strategies}
+    clocks = {name: _time_recomputes(models[name]) for name in strategies}
     for step, batch in enumerate(token_batches(cfg, tokens)):
         batch = _to(batch, device)
         k = step % len(strategies)
@@ -297,6 +322,9 @@ def compare_strategies(
             _sync(device)
             dt = time.perf_counter() - t0
             res["step_time"].append(dt)
+            if clocks[name] is not None:  # seconds this step spent rebuilding adapter inputs
+                res.setdefault("recompute_time", []).append(clocks[name][0])
+                clocks[name][0] = 0.0
             res["loss"].append(loss.item())
             if step == cfg.steps - 1:
                 res["grads"] = {n: p.grad.detach().float().cpu().clone() for n, p in named[name].items()}
