@@ -52,7 +52,8 @@ from torch import nn
 
 from regather import accounting, checkpoint, comm, debug
 from regather.buffers import ScratchPool, default_pool
-from regather.eligibility import AdapterFacts, RunState, unsupported_reason
+from regather.eligibility import IN_CHECKPOINT, AdapterFacts, RunState, checkpointed_by_config, unsupported_reason
+from regather.producers import reason_now
 from regather.strategies import Strategy
 from regather.strategies.lowrank import (
     GRAD_ALLREDUCE_BACKWARD,
@@ -352,12 +353,16 @@ class ParallelLinearAdapter(nn.Module):
             return (f"the {path.name} path keeps its input as it is (recompute of a column-parallel "
                     f"adapter's input needs regather or lowrank)")
         if state.in_recompute:
-            return "running inside activation checkpointing (its recompute must save what forward saved)"
+            return IN_CHECKPOINT
         if self.dropout is not None and self.dropout_position == "pre":
             return "dropout is applied to the adapter input (dropout_position='pre')"
         if self.producer is None:
             return self.producer_reason
-        return None
+        if checkpointed_by_config(self.config, self.facts.base_name):
+            # every forward of this adapter will run inside megatron's activation checkpoint: say
+            # now what each of them will say (decisions() before a forward must not promise more)
+            return IN_CHECKPOINT
+        return reason_now(self.producer)
 
     def _input_source(self, x: torch.Tensor, plan: Plan):
         """KEEP, or a Recomputed source when this forward's producer checks pass (updates the
@@ -377,12 +382,12 @@ class ParallelLinearAdapter(nn.Module):
 
     def _verify_recompute(self, x: torch.Tensor, captured: tuple):
         """First recompute of this adapter: bit-identical to the forward's input, or switched off."""
-        with torch.no_grad():
+        with torch.no_grad():  # the check itself must leave no graph (nothing saved, no bytes)
             again = self.producer.recompute(*captured)
-        if again.shape == x.shape and again.dtype == x.dtype and torch.equal(again, x):
-            self._recompute_verified = True
-            return captured
-        diff = (again.float() - x.float()).abs().max().item() if again.shape == x.shape else "shape"
+            if again.shape == x.shape and again.dtype == x.dtype and torch.equal(again, x):
+                self._recompute_verified = True
+                return captured
+            diff = (again.float() - x.float()).abs().max().item() if again.shape == x.shape else "shape"
         self.producer_reason = (f"recomputing {self.producer.name} does not reproduce the adapter input "
                                 f"bit for bit (max |diff| {diff}); the input is kept")
         self.producer = None

@@ -264,13 +264,12 @@ def recompute_part(setup: Setup, name: str, used: str, producer_input_needs_grad
     if name == "linear_fc2" and setup.cpu_offloading:
         return None, "CPU activation offloading is on (cpu_offloading=True)"
     modules = list(setup.recompute_modules)
-    if _checkpointed(setup, name):  # what the adapter says in the recompute pass (the first runs without grad)
-        return None, "running inside activation checkpointing (its recompute must save what forward saved)"
+    from regather.eligibility import IN_CHECKPOINT, checkpointed_by_config
+
+    if checkpointed_by_config(setup, name):  # the Setup has the config's two recompute fields
+        return None, IN_CHECKPOINT
     if name == "linear_fc2":
         producer = activation_name(setup)
-        if setup.activation == "swiglu" and setup.add_bias_linear:
-            # unfused bias + gated activation: the activation keeps only views of (fc1 output + bias)
-            return None, f"{producer}: it does not keep the tensor it would be recomputed from (saving that would add bytes)"
     else:
         producer = NORM_OF[name]
         if setup.recompute_granularity == "selective" and "layernorm" in modules:
@@ -278,12 +277,6 @@ def recompute_part(setup: Setup, name: str, used: str, producer_input_needs_grad
     if not producer_input_needs_grad:
         return None, f"{producer}: {_NOTHING_KEPT}"
     return producer, None
-
-
-def _checkpointed(setup: Setup, name: str) -> bool:
-    """The adapter's forward runs inside megatron's activation checkpoint (full, or selective 'mlp' for fc2)."""
-    return setup.recompute_granularity == "full" or (
-        setup.recompute_granularity == "selective" and name == "linear_fc2" and "mlp" in setup.recompute_modules)
 
 
 def _cpu_cannot_run(setup: Setup, name: str) -> Optional[str]:

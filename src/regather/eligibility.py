@@ -92,6 +92,20 @@ def _cuda_graphs_on(config: Any) -> Optional[str]:
     return None
 
 
+IN_CHECKPOINT = "running inside activation checkpointing (its recompute must save what forward saved)"
+
+
+def checkpointed_by_config(config: Any, base_name: str) -> bool:
+    """Every forward of the adapter on ``base_name`` runs inside megatron's activation
+    checkpoint: full recompute, or selective recompute of ``mlp`` (a dense MLP's ``linear_fc1``
+    and ``linear_fc2``; ``TransformerLayer`` checkpoints the whole MLP)."""
+    granularity = getattr(config, "recompute_granularity", None)
+    if granularity == "full":
+        return True
+    modules = getattr(config, "recompute_modules", None) or []
+    return granularity == "selective" and "mlp" in modules and base_name in ("linear_fc1", "linear_fc2")
+
+
 def unsupported_reason(facts: AdapterFacts, config: Any, state: RunState) -> Optional[str]:
     """The first rule that keeps this adapter on the gather path, or None."""
     if not state.training:
@@ -99,7 +113,7 @@ def unsupported_reason(facts: AdapterFacts, config: Any, state: RunState) -> Opt
     if not state.grad_enabled:
         return "autograd is disabled (torch.no_grad / inference_mode)"
     if state.in_recompute:
-        return "running inside activation checkpointing (its recompute must save what forward saved)"
+        return IN_CHECKPOINT
     if not state.lora_a_trainable:
         return "LoRA-A weight is frozen (requires_grad=False)"
     if not facts.column_parallel:

@@ -23,7 +23,12 @@ a custom spec that overrides ``forward`` is refused) and is checked on every for
 anything is saved:
 
 - the adapter input *is* the producer's output (the same tensor object, its version unchanged:
-  nothing modified it in place in between), recorded by a forward hook on the producer;
+  nothing modified it in place in between), recorded by a hook that runs before any other hook
+  of that module (``prepend=True``: the norm's forward hook; for ``linear_fc2``, a forward
+  pre-hook on it that records what megatron's MLP passed in). A hook registered for every module
+  (``torch.nn.modules.module.register_module_forward_hook`` / ``_pre_hook``) runs before those,
+  so while one is registered no input is recomputed. These checks run on *every* forward: a hook
+  that starts changing the input after the first forward is caught as well;
 - the adapter input depends on nothing but the producer's input (walking its autograd graph,
   parameters aside), and some node on that walk saved a tensor sharing the storage of what
   we are about to save — so saving it adds no bytes. A norm whose input and weights need no
@@ -141,6 +146,24 @@ def _same_tensor(x: torch.Tensor, out: torch.Tensor) -> bool:
 # -- producers ------------------------------------------------------------------------------------
 
 
+def global_hooks_reason() -> Optional[str]:
+    """Why no producer can be trusted while process-wide module hooks exist (they run before the
+    producers' own hooks and may replace or modify a module's input or output), or None."""
+    from torch.nn.modules import module as torch_module
+
+    names = [n for n in ("_global_forward_pre_hooks", "_global_forward_hooks")
+             if getattr(torch_module, n, None)]
+    if not names:
+        return None
+    return (f"a global module hook is registered ({', '.join('torch.nn.modules.module.' + n for n in names)}): "
+            "it runs before the producer's own check and may change the adapter input unseen")
+
+
+def reason_now(producer) -> Optional[str]:
+    """What keeps ``producer`` from being used, known without a forward (hooks, configuration)."""
+    return global_hooks_reason() or producer.static_reason()
+
+
 class _Hooked:
     """A producer module: its last forward's output (weakly, for identity) and its input's
     place (:class:`Meta`) and autograd node."""
@@ -148,7 +171,13 @@ class _Hooked:
     def __init__(self, module: nn.Module):
         self.module = module
         self._clear()
-        module.register_forward_hook(self._seen)
+        # first of the module's forward hooks: a later one that modifies the output in place
+        # bumps its version, one that replaces it breaks the identity (both seen by capture)
+        module.register_forward_hook(self._seen, prepend=True)
+
+    def static_reason(self) -> Optional[str]:
+        """A reason known from the configuration alone (before a forward), or None."""
+        return None
 
     def _clear(self):
         self._out, self._meta, self._stop, self._version = None, None, None, None
@@ -169,6 +198,9 @@ class _Hooked:
         out = self._out() if self._out is not None else None
         meta, stop, version = self._meta, self._stop, self._version
         self._clear()  # one adapter forward per producer forward
+        why = reason_now(self)
+        if why is not None:
+            return why
         if out is None or not _same_tensor(x, out):
             return f"the adapter input is not {self.name}'s output of this forward"
         if out._version != version:
@@ -184,12 +216,11 @@ class NormProducer(_Hooked):
         super().__init__(norm)
         self.name, self.config = name, config
 
-    def capture(self, x: torch.Tensor) -> Captured:
+    def static_reason(self) -> Optional[str]:
         modules = getattr(self.config, "recompute_modules", None) or []
         if getattr(self.config, "recompute_granularity", None) == "selective" and "layernorm" in modules:
-            self._clear()
             return f"selective recompute covers 'layernorm' (recompute_modules={list(modules)})"
-        return super().capture(x)
+        return None
 
     def recompute(self, inp: torch.Tensor) -> torch.Tensor:
         return self.module.forward(inp)  # the module's own op, its eps / zero-centered gamma
@@ -224,9 +255,20 @@ class ActivationProducer:
         self._scaled = False
         mlp.linear_fc1.register_forward_hook(self._seen)
         mlp.register_forward_pre_hook(self._call, with_kwargs=True)
+        # what MLP.forward hands linear_fc2 (the activation's output), before any other pre-hook
+        # of linear_fc2 may replace it: capture requires the adapter input to be that tensor
+        mlp.linear_fc2.register_forward_pre_hook(self._handed, prepend=True)
 
     def _clear(self):
         self._meta, self._stop, self._bias = None, None, None
+        self._act, self._act_version = None, None
+
+    def _handed(self, module, args):
+        act = args[0] if args else None
+        if isinstance(act, torch.Tensor) and torch.is_grad_enabled():
+            self._act, self._act_version = weakref.ref(act), act._version
+        else:
+            self._act, self._act_version = None, None
 
     def _call(self, module, args, kwargs):
         scale = kwargs.get("per_token_scale", args[1] if len(args) > 1 else None)
@@ -253,23 +295,30 @@ class ActivationProducer:
 
     def capture(self, x: torch.Tensor) -> Captured:
         meta, stop, bias = self._meta, self._stop, self._bias
+        act = self._act() if self._act is not None else None
+        act_version = self._act_version
         self._clear()
-        why = self.static_reason()
+        why = reason_now(self)
         if why is not None:
             return why
         if self._scaled:
             return "the MLP was called with a per-token scale"
         if meta is None:
             return "linear_fc1 did not run in this forward"
+        if act is None or not _same_tensor(x, act):
+            return f"the adapter input is not {self.name}'s output (linear_fc2's input was replaced)"
+        if act._version != act_version:
+            return f"{self.name}'s output was modified in place before the adapter read it"
         biased = []
 
-        def pick(saved):  # unfused bias: the activation keeps ``out + bias``, not fc1's output
+        def pick(saved):
+            """Unfused bias: the activation keeps ``fc1_out + bias`` (gated: the two halves
+            ``torch.chunk`` cut from it), not fc1's output: recompute from that sum."""
             for t in saved:
-                node = t.grad_fn
-                if (bias is not None and tuple(t.shape) == meta.shape and type(node).__name__ == "AddBackward0"
-                        and any(fn is stop for fn, _ in node.next_functions)):
+                found = _biased_sum(t, meta, stop) if bias is not None else None
+                if found is not None:
                     biased.append(True)
-                    return t.detach()
+                    return found
             return None
 
         found = kept_between(x, meta, stop, pick=pick)
@@ -279,6 +328,37 @@ class ActivationProducer:
 
     def recompute(self, out: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return mlp_activation(self.mlp, out, bias)
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _biased_sum(t: torch.Tensor, meta: Meta, stop) -> Optional[torch.Tensor]:
+    """``fc1_out + bias`` if the saved ``t`` is that sum (an ``AddBackward0`` of fc1's output
+    node ``stop``) or one of the halves a gated activation's ``torch.chunk`` cut from it — then
+    rebuilt over the same storage, which the activation's node keeps, so it adds no bytes.
+    Under ``saved_tensors_hooks`` an unpacked view has no ``_base``; its ``SplitBackward0``
+    node and its geometry (a last-dim half of a contiguous sum) identify the sum instead."""
+    node = t.grad_fn
+    if node is not None and type(node).__name__ == "SplitBackward0":
+        full, half = _contiguous_strides(meta.shape), meta.shape[-1] // 2
+        numel = 1
+        for n in meta.shape:
+            numel *= n
+        if (tuple(t.stride()) != full or t.storage_offset() not in (0, half) or t.dtype != meta.dtype
+                or t.untyped_storage().nbytes() != numel * t.element_size()):
+            return None
+        node = node.next_functions[0][0]
+        t = t.detach().as_strided(meta.shape, full, 0)
+    if (node is None or type(node).__name__ != "AddBackward0" or tuple(t.shape) != meta.shape
+            or not any(fn is stop for fn, _ in node.next_functions)):
+        return None
+    return t.detach()
 
 
 def mlp_activation(mlp: nn.Module, intermediate: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

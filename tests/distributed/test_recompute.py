@@ -225,10 +225,6 @@ def expected_tail(setup: Setup, variant: str, path: str) -> str:
     if name == "linear_proj":
         return kept(NO_PRODUCER)
     if name == "linear_fc2":
-        if setup.model.get("gated_linear_unit") and setup.model.get("add_bias_linear", True) \
-                and not setup.model.get("bias_activation_fusion"):
-            return kept(f"{activation_name(setup.model)}: it does not keep the tensor it would be recomputed "
-                        f"from (saving that would add bytes)")  # gap G1 (see the report / xfail below)
         return recomputed(activation_name(setup.model))
     if setup.tp == 1 or not setup.sp:
         return kept(REPLICATED_PATH)
@@ -458,7 +454,9 @@ FALLBACK_TAILS = {
     "inplace_after_producer": {(i, QKV): kept("input_layernorm's output was modified in place before the adapter "
                                               "read it") for i in range(L)}
     | {(i, FC1): PRE_MLP for i in range(L)} | {(i, FC2): GELU for i in range(L)},
-    "inplace_before_lora": {(i, QKV): _bit_for_bit("input_layernorm") for i in range(L)}
+    # the producer's hook runs first (prepend): the user's in-place change shows as a new version
+    "inplace_before_lora": {(i, QKV): kept("input_layernorm's output was modified in place before the adapter "
+                                           "read it") for i in range(L)}
     | {(i, FC1): PRE_MLP for i in range(L)} | {(i, FC2): GELU for i in range(L)},
     "fp8_input_store": {(0, QKV): kept(FROZEN_INPUT), (1, QKV): LN} | {(i, FC1): PRE_MLP for i in range(L)}
     | {(i, FC2): kept("the activation stores its input in fp8 (activation_func_fp8_input_store=True)") for i in range(L)},
@@ -516,10 +514,10 @@ def test_fallback_adapter_bytes(fallbacks, setup):
         assert r["saved_adapter_input"] == adapter_input_bytes(st, "regather-rc", r["decisions"]), r["saved_by_label"]
 
 
-@pytest.mark.xfail(strict=True, reason="B2: _verify_recompute's diff (abs/max) runs with autograd on; SavedBytes "
-                                       "counts its transient graph (+4100 B per failing qkv, +8196 B per fc2)")
 @pytest.mark.parametrize("setup", ["unfaithful_norm", "unfaithful_activation", "inplace_before_lora"])
 def test_failed_verification_adds_no_bytes(fallbacks, setup):
+    """The first-forward check of a rerun leaves no graph behind (it once counted +4100 B per
+    failing qkv, +8196 B per fc2): the saving against gather is exactly the recomputed inputs'."""
     st = FALLBACKS[setup]
     for r, g in zip(variant_results(fallbacks, setup, "regather-rc"), variant_results(fallbacks, setup, "gather")):
         assert g["saved_total"] - r["saved_total"] == saving_vs_gather(st, r["decisions"]), r["saved_by_label"]
@@ -544,37 +542,45 @@ def test_full_recompute_keeps_every_input_in_its_recompute_pass(fallbacks):
             assert r["saved_adapter_input"] == 0  # nothing inside the checkpointed forward is kept
 
 
-@pytest.mark.xfail(strict=True, reason="B3: decisions() before a forward promises fc2 recompute under full "
-                                       "recompute, which never happens (every forward runs inside checkpointing)")
 def test_full_recompute_decisions_do_not_promise_recompute(fallbacks):
+    """decisions() before a forward says what every forward will do under full recompute: each runs
+    inside the checkpoint, so no input is recomputed (fc2 once promised it)."""
     for r in variant_results(fallbacks, "full_recompute", "regather-rc"):
         assert all("input recomputed" not in d for d in r["before"].values()), r["before"]
+        for path, d in r["before"].items():
+            if path.endswith("linear_fc2"):
+                assert d.endswith(kept("running inside activation checkpointing (its recompute must save what "
+                                       "forward saved)")), (path, d)
 
 
-def test_gated_bias_unfused_fc2_keeps_with_reason(matrix):
-    """Gap G1, pinned: SwiGLU + add_bias_linear + no fusion -> fc2 keeps its input (numerics exact)."""
-    for r in variant_results(matrix, "swiglu_bias", "regather-rc"):
-        assert r["decisions"]["decoder.layers.1.mlp.linear_fc2"].endswith(kept(
-            "the MLP activation (silu, gated): it does not keep the tensor it would be recomputed from (saving that "
-            "would add bytes)"))
-
-
-@pytest.mark.xfail(strict=True, reason="G1: the silu node keeps a half-width view of fc1_out + bias; the producer "
-                                       "only accepts a saved tensor of fc1's full shape")
 def test_gated_bias_unfused_fc2_recomputes(matrix):
+    """SwiGLU + add_bias_linear without fusion: the activation keeps views of ``fc1_out + bias``
+    (silu's half, the linear half); fc2 recomputes from their base, which adds no bytes (the
+    numerics and byte tests of the matrix cover the case too)."""
     for r in variant_results(matrix, "swiglu_bias", "regather-rc"):
-        assert r["decisions"]["decoder.layers.1.mlp.linear_fc2"].endswith(recomputed("the MLP activation (silu, gated)"))
+        for i in range(L):
+            assert r["decisions"][f"decoder.layers.{i}.mlp.linear_fc2"].endswith(
+                recomputed("the MLP activation (silu, gated)"))
 
 
-@pytest.mark.xfail(strict=True, reason="B1: a hook that changes the adapter input after the first (verified) "
-                                       "forward is not seen; the recompute silently differs (fc2: no identity "
-                                       "check; norm: a hook registered before LoRA runs before the producer's)")
+LATE_REASON = {
+    "late_fc2_prehook": "the adapter input is not the MLP activation (gelu)'s output (linear_fc2's input was replaced)",
+    "late_norm_inplace": "input_layernorm's output was modified in place before the adapter read it",
+}
+
+
 @pytest.mark.parametrize("setup", ["late_fc2_prehook", "late_norm_inplace"])
 def test_input_changed_after_verification_is_never_recomputed_wrongly(fallbacks, setup):
+    """A hook that starts changing the adapter input after the first (verified) forward: the
+    producer checks of every forward see it (fc2: the input is not what MLP handed linear_fc2;
+    norm: the producer's hook runs first, so a later in-place change is a new version); the
+    input is kept from then on and the gradients equal gather's bit for bit."""
     for rank, (got, ref) in enumerate(zip(variant_results(fallbacks, setup, "regather-rc"),
                                           variant_results(fallbacks, setup, "gather"))):
         same(got["grads_first"], ref["grads_first"], f"rank {rank} step 1")
         same(got["grads"], ref["grads"], f"rank {rank} step 2 (hook on)")
+        changed = [p for p, seen in got["seen"].items() if seen and seen[-1].endswith(kept(LATE_REASON[setup]))]
+        assert changed, (setup, got["seen"])
 
 
 # -- Transformer Engine routing (fake_te) ------------------------------------------------------------------
