@@ -193,14 +193,18 @@ class CanonicalLoRA(LoRA):
     def __call__(self, model: nn.Module, training: bool = True) -> nn.Module:
         keys, shown = self._translated()
         selected = self._selected(model, targets=list(keys), shown=shown)  # raises before any change
+        wanted = {path: set().union(*(k for p, k in keys.items() if self._matches(p, name, path)))
+                  for path, module in selected if (name := path.rsplit(".", 1)[-1]) in ORDER}
+        for path, module in selected:  # before any adapter is built (they draw their init from the RNG)
+            if path.endswith("linear_fc1") and wanted.get(path):
+                _require_gated(path, module, wanted[path])
         built = []
         for path, module in selected:
             name = path.rsplit(".", 1)[-1]
             if name not in ORDER:
                 built.append((path, module, self._make_adapter(path, module)))
                 continue
-            wanted = set().union(*(k for p, k in keys.items() if self._matches(p, name, path)))
-            built.append((path, module, self._split_adapters(path, module, name, wanted)))
+            built.append((path, module, self._split_adapters(path, module, name, wanted[path])))
         for p in model.parameters():
             p.requires_grad_(False)
         for path, module, adapter in built:
@@ -235,6 +239,21 @@ class CanonicalLoRA(LoRA):
                 out[key] = self._make_adapter(path, base, out_features=sizes[key], qualified_name=name)
                 out[key].gate_up_fused = False  # one half of fc1 only: no SwiGLU checkpoint factory
         return out
+
+
+def _require_gated(path: str, base: nn.Module, wanted: set) -> None:
+    """linear_fc1_gate / linear_fc1_up exist only on a gated fc1 (``[gate_i; up_i]`` per rank). A
+    non-gated fc1's rank i holds rows ``[i*ffn/t, (i+1)*ffn/t)`` of one projection: placing two
+    "halves" per rank there would compute a function that changes with the TP size."""
+    config = getattr(base, "config", None)
+    if getattr(config, "gated_linear_unit", False):
+        return
+    names = sorted(_TARGET_OF[k] for k in wanted)
+    raise ValueError(
+        f"CanonicalLoRA targets {names} at {path!r}: this linear_fc1 is not gated "
+        f"(config.gated_linear_unit={getattr(config, 'gated_linear_unit', None)!r}), so it has no gate/up halves. "
+        "Leave linear_fc1_up / linear_fc1_gate out of target_modules, and put one adapter on the whole "
+        "linear_fc1 with regather.LoRA(target_modules=[..., 'linear_fc1'])")
 
 
 def _tp_size_of(base: nn.Module) -> int:

@@ -371,8 +371,8 @@ def install_shape_checks(model: torch.nn.Module) -> list:
     """
     handles = []
     for path, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            group = module.adapter.tp_group
+        if isinstance(module, LoRALinear):  # CanonicalLoRA's wrappers hold several adapters, one group
+            group = next(iter(module.named_adapters(path).values())).tp_group
 
             def hook(mod, args, _group=group, _path=path):
                 if args and isinstance(args[0], torch.Tensor):

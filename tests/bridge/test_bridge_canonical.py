@@ -332,15 +332,14 @@ def test_dist_checkpoints_cross_load_through_tp1(runs):
 # -- a non-gated fc1 ---------------------------------------------------------------------------------
 
 
-def test_non_gated_fc1_gate_up_targets_are_tp_dependent_in_bridge_too(runs):
+def test_non_gated_fc1_gate_up_targets_tp_dependent_in_bridge_refused_by_regather(runs):
     """A non-gated MLP with linear_fc1_up / linear_fc1_gate targets: Bridge concatenates the local
     ``[gate_i; up_i]`` (as for a gated fc1), while a non-gated fc1's rank i holds global rows
     ``[i*ffn/t, (i+1)*ffn/t)``: TP=1 and TP=2 compute different functions from the same full weights
     (norm-relative logit difference ~1, as large as the adapters' effect). Documents Bridge;
-    regather does exactly the same (identical logits at TP=2) — product bug P1, xfail in
-    tests/distributed/test_canonical.py."""
+    regather refuses these targets on a non-gated fc1 (tests/distributed/test_canonical.py)."""
     for res in runs:
         ng, tp1 = case(res, "not_gated"), case(res, "tp1")
         assert rel_err(tp1["bridge_not_gated"], ng["bridge"]) > 0.1
         assert rel_err(ng["bridge"], ng["frozen"]) > 0.1
-        torch.testing.assert_close(ng["regather"], ng["bridge"], rtol=0, atol=0)
+        assert ng["regather"] is not None and "is not gated" in ng["regather"], ng["regather"]

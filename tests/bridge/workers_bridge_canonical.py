@@ -304,11 +304,14 @@ def dist_checkpoints_tp2(out: dict, root: str) -> None:
 
 def not_gated_tp2(out: dict) -> None:
     bridge = bridge_model(targets=["linear_fc1_up", "linear_fc1_gate"], config=NOT_GATED)
-    mine = regather_model("gather", targets=["linear_fc1_up", "linear_fc1_gate"], config=NOT_GATED)
-    W.copy_adapters(bridge, mine)
     out["weights"] = full_weights(bridge)
-    out["bridge"], out["regather"] = logits(bridge), logits(mine)
+    out["bridge"] = logits(bridge)
     out["frozen"] = logits(base_model(config=NOT_GATED))
+    try:  # regather refuses these targets on a non-gated fc1 (regather.canonical._require_gated)
+        regather_model("gather", targets=["linear_fc1_up", "linear_fc1_gate"], config=NOT_GATED)
+        out["regather"] = None
+    except ValueError as exc:
+        out["regather"] = str(exc)
 
 
 def odd_tokens_tp2(out: dict) -> None:

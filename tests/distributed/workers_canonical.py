@@ -499,19 +499,43 @@ def dist_checkpoint_save(root: str) -> dict:
     return out
 
 
-def tp_dependence_run(tp: int) -> dict:
-    """A non-gated MLP with CanonicalLoRA on linear_fc1_up / linear_fc1_gate (see the test)."""
-    model = canonical("gather", tp=tp, targets=["linear_fc1_up", "linear_fc1_gate"], config=NOT_GATED)
-    return {"logits": full(forward_loss(model, batch())[0].detach(), -1)}
+def not_gated_run(tp: int) -> dict:
+    """A non-gated MLP with CanonicalLoRA on linear_fc1_up / linear_fc1_gate: the refusal, and
+    that nothing changed before it (modules, requires_grad, the RNG the adapters draw from)."""
+    from regather import CanonicalLoRA
+
+    model = base(tp, torch.float32, False, NOT_GATED, True, SHAPE)
+    modules = [(n, type(m).__name__) for n, m in model.named_modules()]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    rng = torch.get_rng_state()
+    peft = CanonicalLoRA(target_modules=["linear_q", "linear_fc1_up", "linear_fc1_gate"], dim=DIM, alpha=ALPHA)
+    try:
+        peft(model, training=True)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return {"error": error,
+            "unchanged": [(n, type(m).__name__) for n, m in model.named_modules()] == modules
+            and {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+            and torch.equal(torch.get_rng_state(), rng)}
 
 
-def shape_check_run() -> str:
+def shape_check_run() -> dict:
+    """install_shape_checks on CanonicalLoRA's split wrappers: a forward with equal shapes passes;
+    one with a shorter sequence on rank 1 only is named before any collective runs."""
     from regather.lora import install_shape_checks
 
     model = canonical("early")
-    install_shape_checks(model)
+    handles = install_shape_checks(model)
     forward_loss(model, batch())
-    return "ok"
+    qkv = model.decoder.layers[0].self_attention.linear_qkv  # a LoRALinearSplit (three adapters)
+    local = SHAPE.seq_length // TP - (2 if dist.get_rank() == 1 else 0)  # rank 1: 2 tokens fewer
+    try:
+        qkv(torch.randn(local, MICRO_BATCH, SHAPE.hidden_size))
+        mismatch = None
+    except Exception as exc:  # noqa: BLE001 - the message is asserted by the test
+        mismatch = f"{type(exc).__name__}: {exc}"
+    return {"handles": len(handles), "wrapper": type(qkv).__name__, "mismatch": mismatch}
 
 
 # -- the cases at TP=1 ----------------------------------------------------------------------------
@@ -636,12 +660,12 @@ def canonical_suite(rank: int, world_size: int, root: str) -> dict:
     _case(res, "state_dict", state_dict_runs)
     _case(res, "merge", merge_runs)
     _case(res, "ckpt", lambda: dist_checkpoint_save(root))
-    _case(res, "not_gated_tp2", lambda: tp_dependence_run(TP))
+    _case(res, "not_gated_tp2", lambda: not_gated_run(TP))
     _case(res, "shape_checks", shape_check_run)
     tp2 = {"weights": full_params(canonical("early")), "subset_weights": {}}
     if "error" not in res["subsets"]:
         tp2["subset_weights"] = {label: r["gather"]["weights"] for label, r in res["subsets"].items()}
     parallel(1)
     _case(res, "tp1", lambda: tp1_runs(tp2, res["ckpt"]))
-    _case(res, "not_gated_tp1", lambda: tp_dependence_run(1))
+    _case(res, "not_gated_tp1", lambda: not_gated_run(1))
     return res
