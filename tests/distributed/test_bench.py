@@ -6,6 +6,7 @@ import pytest
 
 from regather import cli
 from regather.bench import runner
+from regather.canonical import CANONICAL_TARGETS
 from regather.estimate import ALL_STRATEGIES, Model, Run, adapter_inputs, estimate
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -117,6 +118,40 @@ def test_recompute_variants_agree_with_estimate_first_layer_rule(targets, input_
             assert kept == s * b * spec.ffn // t * e
         else:  # layer 0's fc1 keeps x_local
             assert kept == s * b * h // t * e
+
+
+def test_canonical_bench_beside_bridge(tmp_path, capsys):
+    """``regather bench --canonical``: CanonicalLoRA on a gated SwiGLU GPT. The q/k/v and gate/up
+    adapter inputs, counted: gather keeps Bridge's 5 x_full a layer (each adapter its own gathered
+    input), regather and lowrank one x_local per fused linear (2 a layer), regather-recompute only
+    layer 0's qkv shard (its norm keeps nothing with frozen embeddings); regather bit-exact."""
+    out = tmp_path / "bench"
+    names = [n for n in ("gather", "regather", "lowrank", "regather-recompute") if n in runner.available_strategies()]
+    argv = ["bench", "--canonical", "--steps", "2", "--warmup", "1", "--quiet", "--strategies", ",".join(names),
+            "--out", str(out)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    summary = json.loads((out / "bench.json").read_text())
+    spec = summary["spec"]
+    assert spec["canonical"] and tuple(spec["targets"]) == CANONICAL_TARGETS
+    c = summary["canonical_inputs"]
+    x_full = spec["seq"] * spec["micro_batch"] * spec["hidden"] * 4
+    x_local, L = x_full // spec["tp"], spec["layers"]
+    assert (c["x_full_bytes"], c["adapters_per_layer"], c["bridge_bytes"]) == (x_full, 5, L * 5 * x_full)
+    want = {"gather": L * 5 * x_full, "regather": L * 2 * x_local, "lowrank": L * 2 * x_local,
+            "regather-recompute": x_local}
+    assert c["strategies"] == {n: want[n] for n in names}
+    rows = summary["strategies"]
+    assert rows["regather"]["max_abs_loss_diff"] == 0.0 and rows["regather"]["max_abs_grad_diff"] == 0.0
+    assert rows["regather-recompute"]["max_abs_grad_diff"] == 0.0
+    assert rows["regather-recompute"]["adapter_inputs"] == {  # 2 layers x (q, k, v, gate, up, fc2); proj kept
+        "recomputed from input_layernorm": 3, "recomputed from pre_mlp_layernorm": 4,
+        "recomputed from the MLP activation (silu, gated)": 2, "kept": 5}
+    assert f"Megatron Bridge CanonicalLoRA: 5 x_full a layer (each adapter gathers and keeps its own) = " \
+        f"{L * 5 * x_full / 2**20:.2f} MiB" in text
+    assert "regather: " + f"{L * 2 * x_local / 2**20:.2f} MiB = 1.00 x_full a layer (20.0% of Bridge's)" in text
+    md = (out / "bench.md").read_text()
+    assert "--canonical" in md and "CanonicalLoRA, gated SwiGLU MLP" in md and "Megatron Bridge CanonicalLoRA" in md
 
 
 def test_gpu_layer_bench_dry_run_on_cpu(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from regather.bench.runner import DEFAULT_TARGETS, BenchSpec
+from regather.canonical import CANONICAL_TARGETS
 
 
 def _strategies(value: str) -> tuple:
@@ -50,7 +51,12 @@ def register(subparsers) -> None:
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype)
     g.add_argument("--lora-rank", type=int, default=d.lora_rank)
     g.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
-    g.add_argument("--targets", type=_targets, default=",".join(DEFAULT_TARGETS))
+    g.add_argument("--targets", type=_targets, default=None,
+                   help=f"comma list (default: {','.join(DEFAULT_TARGETS)}; with --canonical: "
+                        f"{','.join(CANONICAL_TARGETS)})")
+    g.add_argument("--canonical", action="store_true",
+                   help="regather.CanonicalLoRA (one adapter per q, k, v, gate, up) on a gated SwiGLU GPT; reports "
+                        "the q/k/v and gate/up adapter inputs beside Megatron Bridge's CanonicalLoRA (5 x_full a layer)")
     g.add_argument("--steps", type=int, default=d.steps, help="steps per strategy (interleaved)")
     g.add_argument("--warmup", type=int, default=d.warmup, help="first steps left out of the time median")
     g.add_argument("--strategies", type=_strategies, default=None,
@@ -70,10 +76,15 @@ def register(subparsers) -> None:
 def spec_from_args(args) -> BenchSpec:
     if args.steps <= args.warmup:
         raise SystemExit(f"regather bench: --steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    targets = args.targets
+    if targets is None:
+        targets = CANONICAL_TARGETS if args.canonical else DEFAULT_TARGETS
+    elif isinstance(targets, str):
+        targets = _targets(targets)
     return BenchSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, vocab=args.vocab,
                      kv_heads=args.kv_heads, tp=args.tp, seq=args.seq, micro_batch=args.micro_batch,
                      dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                     targets=tuple(args.targets) if not isinstance(args.targets, str) else _targets(args.targets),
+                     targets=tuple(targets), canonical=args.canonical,
                      steps=args.steps, warmup=args.warmup, strategies=tuple(args.strategies or ()),
                      timeout=args.timeout, quiet=args.quiet, input_requires_grad=args.input_requires_grad)
 

@@ -73,6 +73,8 @@ def command_line(spec: dict, out: Optional[str] = None) -> str:
              "--steps", spec["steps"], "--warmup", spec["warmup"], "--strategies", ",".join(spec["strategies"])]
     if spec.get("input_requires_grad"):
         opts += ["--input-requires-grad"]
+    if spec.get("canonical"):
+        opts += ["--canonical"]
     if out:
         opts += ["--out", out]
     return "regather bench " + " ".join(shlex.quote(str(o)) for o in opts)
@@ -139,7 +141,23 @@ def text_table(summary: dict) -> str:
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("adapters running each strategy: " + "; ".join(f"{r[0]}: {r[-1]}" for r in rows(summary)))
+    if summary.get("canonical_inputs"):
+        lines += [""] + canonical_lines(summary)
     return "\n".join(lines)
+
+
+def canonical_lines(summary: dict) -> list[str]:
+    """CanonicalLoRA's q/k/v and gate/up adapter inputs per strategy beside Bridge's figure."""
+    c = summary["canonical_inputs"]
+    x_full, layers, n = c["x_full_bytes"], c["layers"], c["adapters_per_layer"]
+    out = [f"CanonicalLoRA, LoRA-A inputs of the {n} q/k/v + gate/up adapters a layer, {layers} layers, per rank "
+           f"(x_full = s*b*h = {_mb(x_full)} MiB, x_local = x_full/{summary['spec']['tp']}):",
+           f"  Megatron Bridge CanonicalLoRA: {n} x_full a layer (each adapter gathers and keeps its own) = "
+           f"{_mb(c['bridge_bytes'])} MiB"]
+    for name, nbytes in c["strategies"].items():
+        out.append(f"  {name}: {_mb(nbytes)} MiB = {nbytes / (x_full * layers):.2f} x_full a layer "
+                   f"({nbytes / c['bridge_bytes']:.1%} of Bridge's)" if c["bridge_bytes"] else f"  {name}: {nbytes} B")
+    return out
 
 
 def _spec_line(spec: dict) -> str:
@@ -148,7 +166,8 @@ def _spec_line(spec: dict) -> str:
             f"vocab {spec['vocab']}; TP={spec['tp']} + SP, seq {spec['seq']}, micro-batch {spec['micro_batch']}, "
             f"{spec['dtype']}, LoRA rank {spec['lora_rank']} on {', '.join(spec['targets'])}; "
             f"{spec['steps']} steps, first {spec['warmup']} not timed"
-            + ("; decoder input requires grad" if spec.get("input_requires_grad") else ""))
+            + ("; decoder input requires grad" if spec.get("input_requires_grad") else "")
+            + ("; CanonicalLoRA, gated SwiGLU MLP" if spec.get("canonical") else ""))
 
 
 def markdown(summary: dict) -> str:
@@ -179,6 +198,12 @@ def markdown(summary: dict) -> str:
         "last step's LoRA gradients; relative = divided by the largest |gradient|). A variant",
         "(`regather-plain`, `…-recompute`) is also timed against the strategy it varies, same pairing.",
     ]
+    if summary.get("canonical_inputs"):
+        head, *body = canonical_lines(summary)
+        lines += ["", head, ""] + [f"- {line.strip()}" for line in body] + [
+            "", "On the gather path regather's CanonicalLoRA keeps exactly the bytes of Bridge's (counted by",
+            "storage in tests/bridge/test_bridge_canonical.py); regather and lowrank keep one x_local per",
+            "fused linear, shared by its adapters; with recompute, the norm's input, which the norm keeps anyway."]
     timed = [(n, r) for n, r in ordered(summary) if "median_recompute_time" in r]
     if timed:
         lines += ["", "Time inside the producers' recomputes (the norm / activation rerun in backward; clocked "

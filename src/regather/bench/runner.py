@@ -49,6 +49,9 @@ class BenchSpec:
     # the decoder input requires grad (Bridge's maybe_enable_recompute_inputs_grad): layer 0's
     # linear_qkv may then recompute its input too (regather.testing.train.RunConfig)
     input_requires_grad: bool = False
+    # regather.CanonicalLoRA on a gated SwiGLU GPT (its targets are CANONICAL_TARGETS): the
+    # q/k/v and gate/up adapter inputs are reported beside Bridge's CanonicalLoRA (canonical_inputs)
+    canonical: bool = False
 
     def run_config(self):
         from regather.testing.models import TinyGPT
@@ -61,7 +64,8 @@ class BenchSpec:
                          micro_batch=self.micro_batch, steps=self.steps, lr=self.lr, dtype=self.dtype,
                          lora_dim=self.lora_rank, lora_alpha=self.lora_alpha, targets=tuple(self.targets),
                          lora_B_init_method="normal", seed=self.seed, warmup=self.warmup,
-                         input_requires_grad=self.input_requires_grad)
+                         input_requires_grad=self.input_requires_grad, swiglu=self.canonical,
+                         canonical=self.canonical)
 
 
 def available_strategies() -> list[str]:
@@ -232,7 +236,33 @@ def summarise(per_rank: list, spec: BenchSpec) -> dict:
         if base != name and base in rows:
             row["variant_of"] = base
             _ratios(row, rows[base], "base", spec.warmup)
-    return {"spec": asdict(spec), "strategies": rows}
+    out = {"spec": asdict(spec), "strategies": rows}
+    if spec.canonical:
+        out["canonical_inputs"] = canonical_inputs(rows, spec)
+    return out
+
+
+# the fused linears whose input CanonicalLoRA's q/k/v and gate/up adapters read, and how many
+# adapters (targets) each can hold
+_SPLIT = {"linear_qkv": ("linear_q", "linear_k", "linear_v"), "linear_fc1": ("linear_fc1_gate", "linear_fc1_up")}
+
+
+def canonical_inputs(rows: dict, spec: BenchSpec) -> dict:
+    """What the q/k/v and gate/up adapters keep for LoRA-A, per strategy (measured: the
+    ``adapter_input:linear_qkv`` / ``…:linear_fc1`` bytes), beside Megatron Bridge's
+    ``CanonicalLoRA``, whose every such adapter gathers and keeps its own ``x_full = s*b*h``
+    (on the gather path regather keeps exactly Bridge's bytes: tests/bridge/test_bridge_canonical.py)."""
+    from regather.accounting import ADAPTER_INPUT
+
+    elt = 2 if spec.dtype == "bfloat16" else 4
+    x_full = spec.seq * spec.micro_batch * spec.hidden * elt
+    adapters = sum(1 for names in _SPLIT.values() for n in names if n in spec.targets)
+    out = {"x_full_bytes": x_full, "x_local_bytes": x_full // spec.tp, "layers": spec.layers,
+           "adapters_per_layer": adapters, "bridge_bytes": spec.layers * adapters * x_full, "strategies": {}}
+    for name, row in rows.items():
+        labels = row["saved_bytes_by_label"]
+        out["strategies"][name] = sum(int(labels.get(f"{ADAPTER_INPUT}:{base}", 0)) for base in _SPLIT)
+    return out
 
 
 def _recompute_clock(per_rank: list, name: str, spec: BenchSpec) -> dict:

@@ -41,6 +41,10 @@ class RunConfig:
     # maybe_enable_recompute_inputs_grad, HF's enable_input_require_grads): layer 0's norm then
     # keeps its input, so layer 0's linear_qkv may recompute its adapter input too
     input_requires_grad: bool = False
+    # a gated SwiGLU MLP (megatron's gated_linear_unit=True, silu), as Llama/Qwen have
+    swiglu: bool = False
+    # regather.CanonicalLoRA (one adapter per q, k, v, gate, up) instead of LoRA; needs swiglu
+    canonical: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -82,9 +86,12 @@ def lora_for(cfg: RunConfig) -> LoRA:
         lora_B_init_method=cfg.lora_B_init_method,
         **overrides,
     )
+    cls = LoRA
+    if cfg.canonical:
+        from regather.canonical import CanonicalLoRA as cls
     if strategy in (Strategy.GATHER, Strategy.REGATHER):
-        return LoRA(sequence_parallel_input_regather=strategy == Strategy.REGATHER, **kwargs)
-    return _lora_other(strategy, kwargs)
+        return cls(sequence_parallel_input_regather=strategy == Strategy.REGATHER, **kwargs)
+    return _lora_other(strategy, kwargs, cls)
 
 
 _STRATEGY_FIELDS = ("strategy", "sequence_parallel_input_strategy", "input_strategy")
@@ -109,16 +116,26 @@ def requestable_strategies(variants: bool = True) -> list[str]:
     return names
 
 
-def _lora_other(strategy, kwargs) -> LoRA:
+def _lora_other(strategy, kwargs, cls=LoRA) -> LoRA:
     """A LoRA config asking for a strategy other than gather/regather (e.g. lowrank)."""
     name = _strategy_field()
     if name is None:
         raise ValueError(f"LoRA has no field to ask for strategy {strategy.value!r}")
-    return LoRA(**{name: strategy.value}, **kwargs)
+    return cls(**{name: strategy.value}, **kwargs)
+
+
+def model_overrides(cfg: RunConfig) -> dict:
+    """The ``TransformerConfig`` fields :func:`build_lora_gpt` sets beyond the shape."""
+    if not cfg.swiglu:
+        return {}
+    import torch.nn.functional as F
+
+    return {"gated_linear_unit": True, "activation_func": F.silu}
 
 
 def build_lora_gpt(cfg: RunConfig, device: Optional[torch.device] = None):
-    model = build_gpt(cfg.shape, cfg.tp, cfg.sequence_parallel, cfg.torch_dtype, seed=cfg.seed)
+    model = build_gpt(cfg.shape, cfg.tp, cfg.sequence_parallel, cfg.torch_dtype, seed=cfg.seed,
+                      **model_overrides(cfg))
     if device is not None and torch.device(device).type != "cpu":
         model = model.to(device)
     torch.manual_seed(cfg.seed + 1)  # adapter init: same on every rank and every TP size
