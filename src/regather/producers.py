@@ -45,6 +45,7 @@ whose rerun is not bit-identical is switched off for that adapter with the diffe
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from typing import Optional, Union
@@ -143,6 +144,13 @@ def _same_tensor(x: torch.Tensor, out: torch.Tensor) -> bool:
         and x.stride() == out.stride() and x.storage_offset() == out.storage_offset()
 
 
+def _modified_in_place(out: torch.Tensor, version: int, name: str) -> Optional[str]:
+    """Why ``out`` (recorded at ``version``) can no longer be trusted, or None."""
+    if out._version != version:
+        return f"{name}'s output was modified in place before the adapter read it"
+    return None
+
+
 # -- producers ------------------------------------------------------------------------------------
 
 
@@ -203,8 +211,9 @@ class _Hooked:
             return why
         if out is None or not _same_tensor(x, out):
             return f"the adapter input is not {self.name}'s output of this forward"
-        if out._version != version:
-            return f"{self.name}'s output was modified in place before the adapter read it"
+        changed = _modified_in_place(out, version, self.name)
+        if changed:
+            return changed
         found = kept_between(out, meta, stop)
         return f"{self.name}: {found}" if isinstance(found, str) else (found,)
 
@@ -307,8 +316,9 @@ class ActivationProducer:
             return "linear_fc1 did not run in this forward"
         if act is None or not _same_tensor(x, act):
             return f"the adapter input is not {self.name}'s output (linear_fc2's input was replaced)"
-        if act._version != act_version:
-            return f"{self.name}'s output was modified in place before the adapter read it"
+        changed = _modified_in_place(act, act_version, self.name)
+        if changed:
+            return changed
         biased = []
 
         def pick(saved):
@@ -330,14 +340,6 @@ class ActivationProducer:
         return mlp_activation(self.mlp, out, bias)
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
 def _biased_sum(t: torch.Tensor, meta: Meta, stop) -> Optional[torch.Tensor]:
     """``fc1_out + bias`` if the saved ``t`` is that sum (an ``AddBackward0`` of fc1's output
     node ``stop``) or one of the halves a gated activation's ``torch.chunk`` cut from it — then
@@ -346,12 +348,9 @@ def _biased_sum(t: torch.Tensor, meta: Meta, stop) -> Optional[torch.Tensor]:
     node and its geometry (a last-dim half of a contiguous sum) identify the sum instead."""
     node = t.grad_fn
     if node is not None and type(node).__name__ == "SplitBackward0":
-        full, half = _contiguous_strides(meta.shape), meta.shape[-1] // 2
-        numel = 1
-        for n in meta.shape:
-            numel *= n
+        full, half = torch.empty(meta.shape, device="meta").stride(), meta.shape[-1] // 2  # contiguous strides
         if (tuple(t.stride()) != full or t.storage_offset() not in (0, half) or t.dtype != meta.dtype
-                or t.untyped_storage().nbytes() != numel * t.element_size()):
+                or t.untyped_storage().nbytes() != math.prod(meta.shape) * t.element_size()):
             return None
         node = node.next_functions[0][0]
         t = t.detach().as_strided(meta.shape, full, 0)
