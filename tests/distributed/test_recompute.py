@@ -11,9 +11,9 @@ linear's output, the gradient of every wrapped linear's input, dA, dB (or ``main
 where it requires grad. Bytes: ``SavedBytes`` at the end of forward, exact; collectives:
 ``CollectiveBytes`` of forward + backward, equal to the same strategy without recompute.
 
-Two spawns: ``MATRIX`` (precision, fusion, strategies, producers, schedules, TP=1 / SP off)
+Two tables: ``MATRIX`` (precision, fusion, strategies, producers, schedules, TP=1 / SP off)
 and ``FALLBACKS`` (every refusal and its reason, plus the Transformer Engine routing with the
-CPU stand-in class).
+CPU stand-in class), each run in spawns of a few setups (``spawn_groups``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from regather.testing.dist import run_ranks
+from regather.testing.spawn_groups import SpawnGroups, group_by_cost
 
 from workers_recompute import TE_NORMS, Setup, Shape
 
@@ -72,21 +72,39 @@ MATRIX = {
 BYTES_SCHEDULES = ("plain", "interleaved")
 
 
+# One spawn per group of setups of at most this many variants (~30 s on a quiet 2-core machine),
+# run by the first test that asks for one of its setups (regather.testing.spawn_groups says why).
+BUDGET = 30
+
+
+def spawn_groups(table: str) -> SpawnGroups:
+    """``table``'s setups in spawns of at most ``BUDGET`` variants; ``FALLBACKS`` also runs the
+    Transformer Engine cases, as the item ``"te"``, in a spawn of their own."""
+    setups = TABLES[table]
+    groups = group_by_cost({n: len(s.variants) for n, s in setups.items()}, BUDGET)
+    return SpawnGroups(_run_group, T, groups + ([["te"]] if table == "FALLBACKS" else []), table, timeout=180)
+
+
 @pytest.fixture(scope="module")
 def matrix():
-    res = run_ranks(_run_many_timed, T, MATRIX, timeout=300)
-    return res
+    return spawn_groups("MATRIX")
 
 
-def _run_many_timed(rank, world, setups, te=False):
+def _run_group(rank, world, names, table):
     from workers_recompute import run_many
 
-    return run_many(rank, world, setups, te)
+    setups = {n: TABLES[table][n] for n in names if n != "te"}
+    return run_many(rank, world, setups, "te" in names)
 
 
-def variant_results(spawn, setup, variant):
+def te_results(spawns):
+    """Per rank: the Transformer Engine cases (``workers_recompute.run_te``)."""
+    return [r["te"] for r in spawns.ranks("te")]
+
+
+def variant_results(spawns, setup, variant):
     out = []
-    for rank, r in enumerate(spawn):
+    for rank, r in enumerate(spawns.ranks(setup)):
         got = r["results"][setup][variant]
         if "error" in got:
             pytest.fail(f"{setup}/{variant} rank {rank}: {got['error']}", pytrace=False)
@@ -426,7 +444,10 @@ FALLBACKS = {
 
 @pytest.fixture(scope="module")
 def fallbacks():
-    return run_ranks(_run_many_timed, T, FALLBACKS, True, timeout=300)
+    return spawn_groups("FALLBACKS")
+
+
+TABLES = {"MATRIX": MATRIX, "FALLBACKS": FALLBACKS}
 
 
 def _bit_for_bit(name):
@@ -593,8 +614,8 @@ TE_FUSED = "the fused LayerNorm of the TE base"
 @pytest.mark.parametrize("strategy", ["gather", "regather", "lowrank"])
 def test_te_layernorm_base(fallbacks, norm, strategy):
     s, b, h, t, e = 8, 2, 16, T, 4
-    for rank, r in enumerate(fallbacks):
-        got, ref = r["te"][(norm, strategy, True)], r["te"][(norm, strategy, False)]
+    for rank, r in enumerate(te_results(fallbacks)):
+        got, ref = r[(norm, strategy, True)], r[(norm, strategy, False)]
         for k in ("out", "out2", "dx", "dA", "dB"):
             same(got[k], ref[k], f"rank {rank} {norm}/{strategy} {k}")
         assert got["comm"] == ref["comm"]
@@ -610,8 +631,8 @@ def test_te_layernorm_base(fallbacks, norm, strategy):
 
 @pytest.mark.parametrize("strategy", ["regather", "lowrank"])
 def test_te_frozen_input_keeps(fallbacks, strategy):
-    for rank, r in enumerate(fallbacks):
-        got, ref = r["te"][("no_x_grad", strategy, True)], r["te"][("no_x_grad", strategy, False)]
+    for rank, r in enumerate(te_results(fallbacks)):
+        got, ref = r[("no_x_grad", strategy, True)], r[("no_x_grad", strategy, False)]
         assert got["decision"] == strategy + kept(
             f"{TE_FUSED}: it keeps nothing for its backward (neither its input nor its weights need a gradient)")
         for k in ("out", "dA", "dB"):
@@ -619,8 +640,18 @@ def test_te_frozen_input_keeps(fallbacks, strategy):
         assert got["saved_total"] == ref["saved_total"]
 
 
-def test_spawn_times(matrix, fallbacks):
-    """Not a check: records where the spawns spend their time (pytest -rP shows it)."""
-    for name, spawn in (("matrix", matrix), ("fallbacks", fallbacks)):
-        secs = spawn[0]["seconds"]
-        print(f"{name}: {sum(secs.values()):.1f} s in setups; slowest {sorted(secs.items(), key=lambda kv: -kv[1])[:3]}")
+def test_every_setup_ran_once_in_its_group(matrix, fallbacks):
+    """The groups split each table exactly (no setup lost or run twice), each within the budget,
+    and each spawn ran exactly its group's setups; -rP shows where the time went."""
+    for table, spawns in (("MATRIX", matrix), ("FALLBACKS", fallbacks)):
+        setups = TABLES[table]
+        items = [n for g in spawns.groups for n in g]
+        assert sorted(items) == sorted(list(setups) + (["te"] if table == "FALLBACKS" else [])), items
+        assert all(sum(len(setups[n].variants) for n in g if n != "te") <= BUDGET for g in spawns.groups)
+        secs = {}
+        for i, ranks in spawns.run_all().items():
+            for r in ranks:
+                assert set(r["seconds"]) == set(spawns.groups[i]), (spawns.groups[i], sorted(r["seconds"]))
+            secs.update(ranks[0]["seconds"])
+        print(f"{table}: {len(spawns.groups)} spawns, {sum(secs.values()):.1f} s in setups; "
+              f"slowest {sorted(secs.items(), key=lambda kv: -kv[1])[:3]}")

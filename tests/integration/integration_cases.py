@@ -1,4 +1,4 @@
-"""The integration matrix, and the rank worker that trains it (one spawn per topology).
+"""The integration matrix, and the rank worker that trains it (one spawn per case or pair of cases).
 
 A *case* is one megatron setup (DDP options, gradient-accumulation fusion) on one
 topology; it trains one model per strategy, the reference first, in the same process
@@ -164,8 +164,8 @@ def spec_for(topology: str, case: str, strategy: str) -> TrainSpec:
                      lr=1e-5, timeout_minutes=0.5)
 
 
-def run_topology(rank: int, world_size: int, topology: str) -> dict:
-    """Rank worker: every run of the topology's matrix, in order.
+def run_cases(rank: int, world_size: int, cases: list[str], topology: str) -> dict:
+    """Rank worker: every run of ``cases`` of the topology's matrix, in order.
 
     Returns ``{"runs": {(case, strategy): {"result", "error", "seconds"}}}``. A failed run is
     recorded, not raised, and all ranks agree on it (``train_agreed``); when a case's
@@ -174,7 +174,10 @@ def run_topology(rank: int, world_size: int, topology: str) -> dict:
     """
     warm_up()
     runs: dict = {}
-    for case in cases_for(topology):
+    unknown = sorted(set(cases) - set(cases_for(topology)))
+    if unknown:
+        raise ValueError(f"cases {unknown} are not in {topology}'s matrix {cases_for(topology)}")
+    for case in cases:
         gather_failed = None
         for strategy in CASES[case].strategies:
             if gather_failed is not None and strategy != CONTROL:

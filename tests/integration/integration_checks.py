@@ -1,4 +1,4 @@
-"""Assertions on the per-rank results of ``integration_cases.run_topology``, and the test
+"""Assertions on the per-rank results of ``integration_cases.run_cases``, and the test
 class every topology file instantiates (``class TestTP2(TopologyTests): TOPOLOGY = "tp2"``).
 
 Bit-exact (``rtol=0, atol=0``) wherever the maths is the same GEMMs (regather, plain
@@ -19,24 +19,41 @@ from integration_cases import (
     RECOMPUTE_TWIN,
     SYNC_TWIN,
     TOPOLOGIES,
+    cases_for,
     reference_of,
-    run_topology,
+    run_cases,
     runs_for,
     tolerance,
 )
-from regather.testing.dist import run_ranks
+from regather.testing.spawn_groups import SpawnGroups
 
 REL_FUSED_WGRAD = 1e-6  # megatron's fused wgrad (one GEMM into main_grad) vs GEMM + add
-# run_ranks' ``timeout`` is what one topology's spawn should take on a quiet machine (about
-# 30-100 s measured; its hard ceiling is 3x that, and hangs are caught by its stall check);
-# a failing pipeline run may add megatron's 30-s group timeout per failing case.
+# One spawn per case group (``case_groups``), run by the first test that asks for one of its
+# runs: a test pays for one group, not for the topology's whole matrix (on a busy CI machine the
+# whole TP=2 x DP=2 matrix in one spawn came within 20 % of its ceiling; spawn_groups says more).
+# run_ranks' ``timeout`` is what one group should take on a quiet machine (10-60 s measured); its
+# hard ceiling is 3x that, hangs are caught by its stall check; a failing pipeline run may add
+# megatron's 30-s group timeout per failing strategy.
 SPAWN_TIMEOUT = 240
-TEST_TIMEOUT = 900  # the class fixture (the spawn) runs inside the first test
+TEST_TIMEOUT = 900  # the group's spawn runs inside the test that first asks for it
 ELIGIBLE = ("linear_qkv", "linear_fc1")  # column-parallel bases: the strategies apply there
 
 
-def spawn(topology: str) -> list[dict]:
-    return run_ranks(run_topology, TOPOLOGIES[topology].world, topology, timeout=SPAWN_TIMEOUT)
+def case_groups(topology: str) -> list[list[str]]:
+    """The topology's cases, one spawn each, but ``param_gather`` and ``param_sync`` together (the
+    test that compares them asks for both)."""
+    groups: list[list[str]] = []
+    for case in cases_for(topology):
+        if case == "param_sync" and groups and groups[-1] == ["param_gather"]:
+            groups[-1].append(case)
+        else:
+            groups.append([case])
+    return groups
+
+
+def spawn(topology: str) -> SpawnGroups:
+    return SpawnGroups(run_cases, TOPOLOGIES[topology].world, case_groups(topology), topology,
+                       timeout=SPAWN_TIMEOUT)
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -44,7 +61,7 @@ def spawn(topology: str) -> list[dict]:
 
 def results(ranks, case, strategy) -> list[dict]:
     """Every rank's result of one run; fails the test with the most telling rank's error."""
-    runs = [r["runs"][(case, strategy)] for r in ranks]
+    runs = [r["runs"][(case, strategy)] for r in ranks.ranks(case)]
     errors = [run["error"] for run in runs if run["error"] is not None]
     if errors:
         # the cause first: a rank that raised, before ranks that only waited for it (a p2p /
