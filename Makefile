@@ -54,17 +54,10 @@ $(COMPAT_DIR)/.installed: $(STAMP)
 		--python-version 3.12 --only-binary=:all: $(COMPAT_PIN)
 	touch $@
 
-.PHONY: test-compat test-compat-integration
+.PHONY: test-compat
 test-compat: $(COMPAT_DIR)/.installed
 	PYTHONPATH=$(COMPAT_DIR) $(PY) -c "import megatron.core as m; assert m.__version__.startswith('0.19.2'), m.__version__"
-	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed
-
-# tests/integration against 0.19.2, by hand (not in .ci/run): under 0.19.2 the integration ranks pile
-# up gloo threads across runs (1000+ per rank, ~700 pt_gloo_runloop, measured on tp2_dp2) that
-# teardown_parallel does not reach, and on 2 cores the matrix then outlives its ceiling. The same
-# tests run in `make test` against the pinned 0.16.1.
-test-compat-integration: $(COMPAT_DIR)/.installed
-	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/integration
+	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed tests/integration
 
 # The tests against the real Megatron Bridge (tests/bridge; ~2 min on 2 cores). megatron-bridge 0.6.2 is a
 # pure-Python wheel that declares Python 3.12 and a GPU stack: it goes beside the pinned stack like
