@@ -72,8 +72,9 @@ MATRIX = {
 BYTES_SCHEDULES = ("plain", "interleaved")
 
 
-# One spawn per group of setups of at most this many variants (~30 s on a quiet 2-core machine),
-# run by the first test that asks for one of its setups (regather.testing.spawn_groups says why).
+# One spawn per group of setups of at most this many variants (6 + 3 spawns; the module alone took
+# 84 s on 2 cores, 44.5 s of it in MATRIX's setups), run by the first test that asks for one of its
+# setups (regather.testing.spawn_groups says why).
 BUDGET = 30
 
 

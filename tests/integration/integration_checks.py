@@ -29,11 +29,12 @@ from regather.testing.spawn_groups import SpawnGroups
 
 REL_FUSED_WGRAD = 1e-6  # megatron's fused wgrad (one GEMM into main_grad) vs GEMM + add
 # One spawn per case group (``case_groups``), run by the first test that asks for one of its
-# runs: a test pays for one group, not for the topology's whole matrix (on a busy CI machine the
-# whole TP=2 x DP=2 matrix in one spawn came within 20 % of its ceiling; spawn_groups says more).
-# run_ranks' ``timeout`` is what one group should take on a quiet machine (10-60 s measured); its
-# hard ceiling is 3x that, hangs are caught by its stall check; a failing pipeline run may add
-# megatron's 30-s group timeout per failing strategy.
+# runs: a test pays for one group, not for the topology's whole matrix (the whole TP=2 x DP=2
+# matrix in one spawn took 149 s inside ``make test`` on 2 cores, a fifth of its 720 s ceiling;
+# spawn_groups says more). run_ranks' ``timeout`` is what one group should take (21-47 s measured
+# per group inside the integration run on 2 cores); its hard ceiling is 3x that, hangs are caught
+# by its stall check; a failing pipeline run may add megatron's 30-s group timeout per failing
+# strategy.
 SPAWN_TIMEOUT = 240
 TEST_TIMEOUT = 900  # the group's spawn runs inside the test that first asks for it
 ELIGIBLE = ("linear_qkv", "linear_fc1")  # column-parallel bases: the strategies apply there

@@ -2,10 +2,10 @@
 per group of items, started by the first test that asks for one of its items.
 
 Why: a test that asks a module-scoped fixture for one big spawn pays for the whole spawn inside
-its own pytest-timeout. On a busy 2-core CI machine the recompute matrix (153 runs, about
-150 s on a quiet machine) took over four times as long and outlived the 585 s its test had
-(CI, 2026-12-03: 418 errors). Split into groups, each test pays for at most one group,
-so a slowdown of ten times still fits; the total work grows only by one start-up per group.
+its own pytest-timeout. The recompute matrix in one spawn (153 runs) took 152 s here inside
+``make test`` on 2 cores, and outlived the 585 s its first test had on the busier CI machine
+(CI, 2026-12-03: 418 errors). Split into groups, each test pays for one group only; the total
+work grows by one start-up per group.
 
 A group whose spawn failed fails every test that asks for one of its items, with the same
 message, without being run again (a hung spawn would otherwise cost its stall window once per
