@@ -50,15 +50,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-from regather import accounting, checkpoint, comm, debug
+from regather import accounting, checkpoint, comm, debug, fallback_log
 from regather.buffers import ScratchPool, default_pool
 from regather.eligibility import IN_CHECKPOINT, AdapterFacts, RunState, checkpointed_by_config, unsupported_reason
-from regather.producers import reason_now
+from regather.producers import EXPERT_INPUT_KEPT, reason_now
 from regather.strategies import Strategy
 from regather.strategies.lowrank import (
     GRAD_ALLREDUCE_BACKWARD,
     GRAD_ALLREDUCE_FINALIZE,
     GRAD_ALLREDUCE_MODES,
+    replicated_copy,
     replicated_shard,
     shard_rows,
 )
@@ -189,6 +190,8 @@ class ParallelLinearAdapter(nn.Module):
         tp_group=None,
         sequence_parallel: bool = False,
         is_expert: bool = False,
+        explicit_comm: bool = False,
+        ep_group=None,
         alpha: Optional[float] = None,
         dropout: float = 0.0,
         dropout_position: str = "pre",
@@ -224,7 +227,12 @@ class ParallelLinearAdapter(nn.Module):
         self.config = config
         self.tp_group = tp_group
         self.column_parallel = column_parallel
-        self.sequence_parallel = bool(sequence_parallel and tp > 1)
+        # explicit_comm: the base's caller (MoE token dispatcher) does every TP collective
+        self.sequence_parallel = bool(sequence_parallel and tp > 1 and not explicit_comm)
+        # a shared grouped-expert adapter: the same weights on every EP rank, gradients summed
+        # over EP (Megatron Bridge's share_expert_adapters); None otherwise
+        self.ep_group = ep_group if ep_group is not None and _group_size_rank(ep_group)[0] > 1 else None
+        self.fallback_log = None  # the model's fallback_log.FallbackLog, attached by regather.LoRA
         if gradient_accumulation_fusion is None:
             gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -245,35 +253,65 @@ class ParallelLinearAdapter(nn.Module):
             is_expert=is_expert,
             a2a_experts=a2a_experts,
             activation=activation,
+            explicit_comm=bool(explicit_comm),
         )
         if params_dtype is None:
             params_dtype = getattr(config, "params_dtype", None) or torch.get_default_dtype()
-        # Full master weights from the default generator, then this rank's shard:
-        # every TP size starts from the same adapter.
-        a = init_weight_(torch.empty(dim, in_features, dtype=torch.float32), lora_A_init_method)
-        b = init_weight_(torch.empty(out_features, dim, dtype=torch.float32), lora_B_init_method)
-        a, b = a.to(params_dtype), b.to(params_dtype)
-        self.linear_in = _ShardedWeight(a, 0 if column_parallel else 1, rank, tp)
-        self.linear_out = _ShardedWeight(b, 0, rank, tp)
-        if self._wants_replicated(self._strategy):
-            # the full master weight the sharded layouts slice: every strategy starts identical
-            self.linear_in.weight = nn.Parameter(a.contiguous())
+        self._init_weights(dim, in_features, out_features, lora_A_init_method, lora_B_init_method,
+                           params_dtype, rank, tp)
         self._tag_lora_a()
+        self._tag_expert(config)
         if device is not None:
             self.to(device)
+        if self.ep_group is not None:
+            self._broadcast_over_ep()
         self.last_decision: Optional[Decision] = None
         self._logged = False
         self._register_state_dict_hook(_save_sharded_lora_a)
         self._register_load_state_dict_pre_hook(_load_lora_a, with_module=True)
 
+    def _init_weights(self, dim, in_features, out_features, a_init, b_init, dtype, rank, tp) -> None:
+        """Full master weights from the default generator, then this rank's shard: every TP size
+        starts from the same adapter."""
+        a = init_weight_(torch.empty(dim, in_features, dtype=torch.float32), a_init)
+        b = init_weight_(torch.empty(out_features, dim, dtype=torch.float32), b_init)
+        a, b = a.to(dtype), b.to(dtype)
+        self.linear_in = _ShardedWeight(a, 0 if self.column_parallel else 1, rank, tp)
+        self.linear_out = _ShardedWeight(b, 0, rank, tp)
+        if self._wants_replicated(self._strategy):
+            # the full master weight the sharded layouts slice: every strategy starts identical
+            self.linear_in.weight = nn.Parameter(a.contiguous())
+
+    def _tag_expert(self, config) -> None:
+        """megatron's expert parameters carry ``allreduce=False`` when EP > 1: DDP reduces them
+        over the expert data-parallel group, not the dense one (their gradients differ per EP
+        rank). An expert adapter's weights are expert parameters too."""
+        if not self.facts.is_expert:
+            return
+        expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
+        for holder in (self.linear_in, self.linear_out):
+            holder.weight.allreduce = not expert_parallel
+
+    def _broadcast_over_ep(self) -> None:
+        """Start a shared expert adapter from EP rank 0's weights (as Bridge does): every EP rank
+        holds the same adapter, and its gradients, summed over EP, keep it so."""
+        src = torch.distributed.get_global_rank(self.ep_group, 0)
+        with torch.no_grad():
+            for holder in (self.linear_in, self.linear_out):
+                torch.distributed.broadcast(holder.weight.data, src=src, group=self.ep_group)
+
     # -- LoRA-A layout -------------------------------------------------------------
     def _wants_replicated(self, strategy: Strategy) -> bool:
-        return strategy == Strategy.LOWRANK and self.column_parallel and self.tp_size > 1
+        """lowrank's replicated LoRA-A; experts never run lowrank, so they keep the shards."""
+        return (strategy == Strategy.LOWRANK and self.column_parallel and self.tp_size > 1
+                and not self.facts.is_expert and not self.facts.explicit_comm)
 
     @property
     def replicated_a(self) -> bool:
         """LoRA-A holds the full ``[r, h]`` on every rank (low-rank strategy)."""
-        return self.linear_in.weight.shape[0] == self.dim and self.column_parallel and self.tp_size > 1
+        w = self.linear_in.weight
+        return (w.dim() == 2 and w.shape[0] == self.dim and self.column_parallel and self.tp_size > 1
+                and not self.dispatched)
 
     @property
     def lowrank_reduce_in_backward(self) -> bool:
@@ -348,7 +386,10 @@ class ParallelLinearAdapter(nn.Module):
         return replace(decision, recompute=self.producer.name)
 
     def _recompute_unsupported(self, decision: Decision, state: RunState) -> Optional[str]:
-        path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel)
+        path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel,
+                      explicit_comm=self.dispatched)
+        if path.name == "dispatched":
+            return EXPERT_INPUT_KEPT
         if not path.recomputes:
             return (f"the {path.name} path keeps its input as it is (recompute of a column-parallel "
                     f"adapter's input needs regather or lowrank)")
@@ -397,22 +438,18 @@ class ParallelLinearAdapter(nn.Module):
         if self._logged_recompute or decision.recompute_reason is None:
             return
         self._logged_recompute = True
-        logger.log(logging.WARNING if "bit for bit" in decision.recompute_reason else logging.INFO,
-                   "LoRA adapter on %s: recompute_adapter_inputs requested, keeping the input: %s",
-                   getattr(self, "qualified_name", self.facts.base_name), decision.recompute_reason)
+        fallback_log.report(self.fallback_log, "recompute_adapter_inputs requested, keeping the input",
+                            decision.recompute_reason, getattr(self, "qualified_name", self.facts.base_name),
+                            logging.WARNING if "bit for bit" in decision.recompute_reason else logging.INFO)
 
     def _log_fallback(self, decision: Decision) -> None:
         if self._logged or decision.reason is None:
             return
         self._logged = True
         expected = decision.reason.startswith(_INFO_REASONS) or "expert" in decision.reason
-        logger.log(
-            logging.INFO if expected else logging.WARNING,
-            "LoRA adapter on %s: %s requested, using the gather path: %s",
-            getattr(self, "qualified_name", self.facts.base_name),
-            decision.requested.value,
-            decision.reason,
-        )
+        fallback_log.report(self.fallback_log, f"{decision.requested.value} requested, using the gather path",
+                            decision.reason, getattr(self, "qualified_name", self.facts.base_name),
+                            logging.INFO if expected else logging.WARNING)
 
     # -- forward -----------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:
@@ -429,8 +466,14 @@ class ParallelLinearAdapter(nn.Module):
             )
 
     @property
+    def dispatched(self) -> bool:
+        """The base's caller does its TP communication (MoE experts at any EP x ETP, shared experts
+        with overlap): no collective on the input, a partial output for a row-parallel base."""
+        return self.facts.explicit_comm or self.facts.is_expert
+
+    @property
     def in_features_local(self) -> int:
-        return self.linear_in.weight.shape[1]
+        return self.linear_in.weight.shape[-1]
 
     def plan(self, x: torch.Tensor, share: Optional[SharedGather] = None) -> tuple[torch.Tensor, Plan]:
         """Decide this forward's strategy. For regather with early re-gather, also route ``x``
@@ -458,7 +501,7 @@ class ParallelLinearAdapter(nn.Module):
                 and not (self.dropout is not None and self.dropout_position == "pre"))
 
     def forward(self, x: torch.Tensor, plan: Optional[Plan] = None, input_gathered: bool = False,
-                x_full: Optional[torch.Tensor] = None) -> torch.Tensor:
+                x_full: Optional[torch.Tensor] = None, m_splits=None) -> torch.Tensor:
         """``input_gathered``: ``x`` is ``[s, b, h]``, already gathered over the sequence by the
         base layer (TE's gathered LayerNorm output, :mod:`regather.te`); gather path only.
 
@@ -466,7 +509,10 @@ class ParallelLinearAdapter(nn.Module):
         backward reduce-scatters (megatron's ``gather_from_sequence_parallel_region``). LoRA-A
         computes on it and returns its *partial* input gradient to it (one reduce-scatter for
         base + adapter); regather still saves only ``x`` and re-gathers it for ``dA``. Only
-        when :meth:`shares_input_gather` holds."""
+        when :meth:`shares_input_gather` holds.
+
+        ``m_splits``: grouped experts' tokens per local expert; a shared adapter ignores them,
+        a per-expert one (:class:`regather.experts.GroupedExpertAdapter`) needs them."""
         from megatron.core.tensor_parallel import mappings
 
         if plan is None:
@@ -486,13 +532,17 @@ class ParallelLinearAdapter(nn.Module):
             x = self.dropout(x)
         group, fuse = self.tp_group, self.gradient_accumulation_fusion
         a, b = self.linear_in(), self.linear_out()  # called: DDP's param-gather pre-hooks run
+        if self.ep_group is not None:  # shared over EP: each rank's gradient is a partial sum
+            a, b = replicated_copy(a, self.ep_group, fuse), replicated_copy(b, self.ep_group, fuse)
         lowrank = self.column_parallel and self.sequence_parallel and decision.used == Strategy.LOWRANK
         if self.replicated_a and not lowrank:  # fallback: this rank's rows, grads completed over TP
             a = replicated_shard(a, self.tp_rank, self.tp_size, group, fuse, self.lowrank_reduce_in_backward)
+        explicit = self.dispatched
         path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel,
-                      shared=x_full is not None, gathered=input_gathered)
+                      shared=x_full is not None, gathered=input_gathered, explicit_comm=explicit)
+        splits = self._splits(x, m_splits)
         args = PathArgs(group=group, fuse=fuse, pool=self.pool or default_pool(), slot=slot, source=source,
-                        x_full=x_full, reduce_dA=self.lowrank_reduce_in_backward, share=plan.share)
+                        x_full=x_full, reduce_dA=self.lowrank_reduce_in_backward, share=plan.share, splits=splits)
         # what LoRA-A saves is counted apart, per base layer (accounting.SavedBytes.of)
         with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.facts.base_name}"):
             mid = path(x, a, args)
@@ -505,8 +555,10 @@ class ParallelLinearAdapter(nn.Module):
             mid = self._activation(mid)
         if not lowrank:  # the sequence reduce-scatter of lowrank already sums dmid over TP
             mid = mappings.copy_to_tensor_model_parallel_region(mid, group=group)
-        out = linear(mid, b, fuse)
-        if not self.column_parallel:
+        out = linear(mid, b, fuse, splits=splits)
+        if not self.column_parallel and explicit:  # the caller sums the base's partial outputs
+            out = partial_output(out, self.tp_rank, self.tp_size)
+        elif not self.column_parallel:
             out = mappings.gather_from_tensor_model_parallel_region(out, group=group)
             if self.sequence_parallel:
                 out = mappings.scatter_to_sequence_parallel_region(out, group=group)
@@ -517,6 +569,10 @@ class ParallelLinearAdapter(nn.Module):
             out.register_hook(slot.on_output_grad)  # early re-gather: start when dout arrives
         return out
 
+    def _splits(self, x: torch.Tensor, m_splits):
+        """Row blocks for per-expert weights (``None``: one weight for all rows)."""
+        return None
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """megatron ``dist_checkpointing``: Bridge's keys, global shapes and TP axes
         (:mod:`regather.checkpoint`); a replicated LoRA-A is declared as this rank's rows."""
@@ -526,6 +582,22 @@ class ParallelLinearAdapter(nn.Module):
         kind = "column" if self.column_parallel else "row"
         return (f"base={self.facts.base_name}, {kind}-parallel, dim={self.dim}, alpha={self.alpha:g}, "
                 f"strategy={self.strategy.value}")
+
+
+def partial_output(out_i: torch.Tensor, rank: int, t: int) -> torch.Tensor:
+    """A row-parallel expert adapter's output as its share of a sum over expert TP.
+
+    An expert ``linear_fc2`` with ``explicit_expert_comm`` returns a *partial* ``[n, o]`` (its
+    input is split over hidden): the token dispatcher's combine reduce-scatters the partials of
+    the expert-TP ranks. The adapter's delta is complete on every rank once ``mid`` is reduced,
+    ``out_i = mid B_i^T`` being its columns ``[rank*o/t, (rank+1)*o/t)``; placed there with
+    zeros elsewhere, the ranks' sum is the delta exactly (each column has one non-zero term).
+    Backward takes those columns of the (replicated) output gradient. Nothing is saved.
+    """
+    if t == 1:
+        return out_i
+    width = out_i.shape[-1]
+    return torch.nn.functional.pad(out_i, (rank * width, (t - 1 - rank) * width))
 
 
 _LORA_A = "linear_in.weight"

@@ -20,12 +20,14 @@ that Bridge's matcher selects (``target_modules``, wildcards, or Bridge's
 ``exclude_modules`` mode) becomes a :class:`regather.LoRALinear` with a
 :class:`regather.ParallelLinearAdapter`, built by :meth:`regather.lora.LoRA._make_adapter`.
 Parameter and state-dict names follow Bridge's (``…linear_qkv.adapter.linear_in.weight``).
-Modules regather does not adapt — plain ``torch.nn.Linear``, MoE routers and
-expert linears (``…mlp.experts…linear_fc1/2``), linears with their TP
-communication disabled (MoE shared experts with overlap) — go to Bridge's own
-``transform`` and get Bridge's adapters, so ``normalize_moe_lora`` and the
-expert options keep their Bridge meaning. ``lora_dtype``, as in Bridge, applies
-only to those plain ``nn.Linear`` adapters.
+MoE expert linears are regather's too, with Bridge's layouts and options: SequentialMLP
+experts get an adapter each; TE grouped experts one adapter shared by the local experts
+(``share_expert_adapters=True``, Bridge's default) or one per expert (``False``);
+``normalize_moe_lora`` gives expert adapters ``dim // moe_router_topk`` (:mod:`regather.experts`).
+Modules regather does not adapt — plain ``torch.nn.Linear``, MoE routers, grouped experts
+under ``experts_shared_outer_loras=True`` (Bridge's serving layout) — go to Bridge's own
+``transform`` and get Bridge's adapters. ``lora_dtype``, as in Bridge, applies only to those
+plain ``nn.Linear`` adapters.
 
 Bridge's ``ConfigContainer`` declares ``peft: Optional[PEFT]`` and, in
 ``validate()``, only asks for ``checkpoint.pretrained_checkpoint`` when it is set;
@@ -47,7 +49,6 @@ from typing import Optional
 
 try:
     from megatron.bridge.peft.lora import LoRA as BridgeLoRA
-    from megatron.bridge.peft.utils import is_expert_linear
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess without Bridge
     raise ImportError(
         "regather.bridge needs Megatron Bridge (the megatron.bridge.peft package): "
@@ -59,7 +60,8 @@ from torch import nn
 
 from regather.adapter import ParallelLinearAdapter
 from regather.lora import LoRA as _RegatherLoRA
-from regather.lora import LoRALinear, _install_sequence_check, _is_parallel_linear
+from regather import experts
+from regather.lora import LoRALinear, _is_parallel_linear, finish_wrapping
 
 __all__ = ["LoRA", "BridgeLoRA"]
 
@@ -101,6 +103,8 @@ class LoRA(BridgeLoRA):
             early_regather=self.early_regather,
             lowrank_grad_allreduce=self.lowrank_grad_allreduce,
             share_sequence_gather=self.share_sequence_gather,
+            share_expert_adapters=self.share_expert_adapters,
+            normalize_moe_lora=self.normalize_moe_lora,
         )
 
     def __call__(self, model, training: bool = True):
@@ -109,7 +113,7 @@ class LoRA(BridgeLoRA):
         self.regather_config()
         model = super().__call__(model, training=training)
         for chunk in model if isinstance(model, list) else [model]:
-            _install_sequence_check(getattr(chunk, "module", chunk))
+            finish_wrapping(getattr(chunk, "module", chunk))
         return model
 
     def transform(self, module: nn.Module, name: Optional[str] = None, prefix: Optional[str] = None) -> nn.Module:
@@ -119,22 +123,16 @@ class LoRA(BridgeLoRA):
             part in _WRAPPER_CHILDREN for part in full_name.split(".")
         ):
             return module  # already adapted, or inside an adapted linear
-        if not self._regather_adapts(module, full_name):
+        if not self._regather_adapts(module):
             return super().transform(module, name, prefix)  # Bridge's own adapter (see module doc)
         match = self.match(module, name, prefix)
         if match is None:
             return module
         _, path = match
         config = self.regather_config()
-        wrapped = LoRALinear(module, config._make_adapter(path, module))
-        wrapped.share_sequence_gather = self.share_sequence_gather
-        return wrapped
+        return config.wrap(module, config._make_adapter(path, module))
 
-    @staticmethod
-    def _regather_adapts(module: nn.Module, full_name: str) -> bool:
+    def _regather_adapts(self, module: nn.Module) -> bool:
         if isinstance(module, nn.Linear) or not _is_parallel_linear(module):
             return False
-        if is_expert_linear(full_name) or "Grouped" in type(module).__name__:
-            return False
-        # TP communication switched off on the base (MoE shared experts with overlap)
-        return not (getattr(module, "parallel_mode", "") is None or getattr(module, "explicit_expert_comm", False))
+        return not (self.experts_shared_outer_loras and experts.is_grouped_linear(module))

@@ -40,9 +40,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from regather import te
+from regather import experts, te
 from regather.adapter import ParallelLinearAdapter
-from regather.lora import LoRA, LoRALinear, _install_sequence_check, attach_producers
+from regather.lora import LoRA, LoRALinear, attach_producers, finish_wrapping
 from regather.strategies import Strategy
 from regather.strategies.shared_gather import SharedGather
 
@@ -196,12 +196,14 @@ class CanonicalLoRA(LoRA):
         wanted = {path: set().union(*(k for p, k in keys.items() if self._matches(p, name, path)))
                   for path, module in selected if (name := path.rsplit(".", 1)[-1]) in ORDER}
         for path, module in selected:  # before any adapter is built (they draw their init from the RNG)
-            if path.endswith("linear_fc1") and wanted.get(path):
+            if path.endswith("linear_fc1") and wanted.get(path) and not experts.is_grouped_linear(module):
                 _require_gated(path, module, wanted[path])
         built = []
         for path, module in selected:
             name = path.rsplit(".", 1)[-1]
-            if name not in ORDER:
+            # a grouped expert fc1 holds every local expert's gate and up: one adapter on the whole
+            # linear, as Bridge's CanonicalLoRA does ("unsupported canonical linear_fc1 as unfused")
+            if name not in ORDER or experts.is_grouped_linear(module):
                 built.append((path, module, self._make_adapter(path, module)))
                 continue
             built.append((path, module, self._split_adapters(path, module, name, wanted[path])))
@@ -210,15 +212,11 @@ class CanonicalLoRA(LoRA):
         for path, module, adapter in built:
             parent_path, _, attr = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
-            if isinstance(adapter, dict):
-                wrapped = LoRALinearSplit(module, adapter, attr)
-            else:
-                wrapped = LoRALinear(module, adapter)
-                wrapped.share_sequence_gather = self.share_sequence_gather
+            wrapped = LoRALinearSplit(module, adapter, attr) if isinstance(adapter, dict) else self.wrap(module, adapter)
             setattr(parent, attr, wrapped)
         if self.recompute_adapter_inputs:
             attach_producers(model)
-        _install_sequence_check(model)
+        finish_wrapping(model)
         model.train(training)
         return model
 

@@ -117,6 +117,10 @@ def adapter_sharded_state_dict(adapter, prefix: str = "", sharded_offsets=(), me
         key = f"{prefix}linear_out.weight"  # [gate_i; up_i] per rank, like the base fc1 weight
         out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets,
                                                 metadata.get("singleton_local_shards", False))
+    if getattr(adapter, "expert_slots", None) is not None:  # one adapter for a grouped linear's experts
+        from regather.checkpoint_experts import shared_over_experts
+
+        out = shared_over_experts(adapter, out, sharded_offsets)
     return out
 
 

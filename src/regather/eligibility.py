@@ -28,6 +28,9 @@ class AdapterFacts:
     is_expert: bool = False
     a2a_experts: bool = False
     activation: str = "identity"
+    # the base does no TP communication of its own: its caller does it (megatron's
+    # explicit_expert_comm / TE's parallel_mode=None: MoE experts, shared experts with overlap)
+    explicit_comm: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,10 @@ def _cuda_graphs_on(config: Any) -> Optional[str]:
     return None
 
 
+#: An expert's input is the token dispatcher's output (tokens routed to this rank's experts,
+#: already gathered over expert TP), never a sequence shard of a LayerNorm output.
+EXPERT_REASON = "expert linear: its input is the token dispatcher's output, not a sequence shard"
+
 IN_CHECKPOINT = "running inside activation checkpointing (its recompute must save what forward saved)"
 
 
@@ -116,14 +123,17 @@ def unsupported_reason(facts: AdapterFacts, config: Any, state: RunState) -> Opt
         return IN_CHECKPOINT
     if not state.lora_a_trainable:
         return "LoRA-A weight is frozen (requires_grad=False)"
+    if facts.is_expert:
+        return EXPERT_REASON
+    if facts.explicit_comm:
+        return (f"base layer {facts.base_name!r} leaves its TP communication to its caller "
+                "(explicit_expert_comm / parallel_mode=None: a MoE shared expert with overlap)")
     if not facts.column_parallel:
         return f"base layer {facts.base_name!r} is row-parallel (its input is split over hidden, not sequence)"
     if not facts.sequence_parallel:
         return f"sequence parallelism is off for {facts.base_name!r}"
     if facts.tp_size <= 1:
         return f"tensor-parallel size is {facts.tp_size}"
-    if facts.is_expert:
-        return f"{facts.base_name!r} is an expert (MoE) linear"
     if facts.a2a_experts:
         return "adapter uses all-to-all expert communication (a2a_experts=True)"
     if facts.activation != "identity":

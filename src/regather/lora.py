@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from regather import checkpoint, debug, te
+from regather import checkpoint, debug, experts, fallback_log, te
 from regather.adapter import ACTIVATIONS, DROPOUT_POSITIONS, INIT_METHODS, Decision, ParallelLinearAdapter
 from regather.strategies import Strategy
 
@@ -91,6 +91,8 @@ class LoRALinear(nn.Module):
 
     def _can_share(self, plan) -> bool:
         base = self.to_wrap
+        if experts.is_grouped_linear(base):
+            return False
         return (type(base).__name__ == "ColumnParallelLinear" and self.adapter.shares_input_gather(plan)
                 and base.weight is not None and not base.weight.requires_grad
                 and getattr(base, "sequence_parallel", False) and not getattr(base, "gather_output", False)
@@ -124,6 +126,22 @@ class LoRALinear(nn.Module):
         return out + self.adapter(x, plan=plan, x_full=x_full), bias
 
 
+class GroupedLoRALinear(LoRALinear):
+    """A frozen TE grouped expert linear plus its adapter: ``base(x, m_splits) + adapter(x)``.
+
+    The adapter is shared by the local experts (a :class:`~regather.adapter.ParallelLinearAdapter`
+    on every row) or holds one pair per expert (:class:`~regather.experts.GroupedExpertAdapter`,
+    which reads ``m_splits``). Checkpoint keys are Bridge's (``…experts.linear_fc1.adapter.…``).
+    """
+
+    def forward(self, x: torch.Tensor, m_splits, *args, **kwargs):
+        if not self._adapter_enabled:
+            return self.to_wrap(x, m_splits, *args, **kwargs)
+        x, plan = self.adapter.plan(x)
+        out, bias = self.to_wrap(x, m_splits, *args, **kwargs)
+        return out + self.adapter(x, plan=plan, m_splits=m_splits), bias
+
+
 @dataclass
 class LoRA:
     """LoRA for megatron-core models (field names and defaults of Megatron Bridge)."""
@@ -155,6 +173,10 @@ class LoRA:
     # before the activation) and recompute the input in backward: qkv/fc1 with regather or
     # lowrank, fc2 with every strategy (regather.producers); bit-identical, 0 new bytes.
     recompute_adapter_inputs: bool = False
+    # MoE (Bridge's fields): grouped expert linears share one adapter over their local experts
+    # (False: one per expert); normalize_moe_lora gives expert adapters dim // moe_router_topk.
+    share_expert_adapters: bool = True
+    normalize_moe_lora: bool = False
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
@@ -234,14 +256,18 @@ class LoRA:
         for (path, module), (_, adapter) in zip(selected, adapters):
             parent_path, _, attr = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
-            wrapped = LoRALinear(module, adapter)
-            wrapped.share_sequence_gather = self.share_sequence_gather
-            setattr(parent, attr, wrapped)
+            setattr(parent, attr, self.wrap(module, adapter))
         if self.recompute_adapter_inputs:  # after every wrap: producers hook the final modules
             attach_producers(model)
-        _install_sequence_check(model)
+        finish_wrapping(model)
         model.train(training)
         return model
+
+    def wrap(self, module: nn.Module, adapter: ParallelLinearAdapter) -> LoRALinear:
+        """The wrapper of ``module`` and its ``adapter`` (grouped expert linears take ``m_splits``)."""
+        wrapped = (GroupedLoRALinear if experts.is_grouped_linear(module) else LoRALinear)(module, adapter)
+        wrapped.share_sequence_gather = self.share_sequence_gather
+        return wrapped
 
     def _make_adapter(self, path: str, base: nn.Module, out_features: Optional[int] = None,
                       qualified_name: Optional[str] = None) -> ParallelLinearAdapter:
@@ -249,20 +275,25 @@ class LoRA:
         for ``CanonicalLoRA``'s q/k/v and gate/up adapters)."""
         column = _is_column_parallel(base)
         config = getattr(base, "config", None)
-        weight = base.weight
         group = _tp_group(base)
-        in_features, full_out = te.linear_sizes(base, column, _group_size(group))
+        t = _group_size(group)
+        grouped = experts.is_grouped_linear(base)
+        is_expert = experts.is_expert_linear(path, base)
+        if grouped:
+            in_features, full_out = experts.grouped_sizes(base, column, t)
+            weight = base.weight0
+        else:
+            in_features, full_out = te.linear_sizes(base, column, t)
+            weight = base.weight
         out_features = full_out if out_features is None else out_features
-        adapter = ParallelLinearAdapter(
-            in_features=in_features,
-            out_features=out_features,
-            dim=self.dim,
+        dim = experts.expert_dim(config, self.dim, self.normalize_moe_lora, column, t) if is_expert else self.dim
+        kwargs = dict(
             column_parallel=column,
             base_name=path.rsplit(".", 1)[-1],
             config=config,
             tp_group=group,
             sequence_parallel=bool(getattr(base, "sequence_parallel", False)),
-            is_expert=bool(getattr(base, "is_expert", False)),
+            explicit_comm=experts.explicit_comm(base),
             alpha=self.alpha,
             dropout=self.dropout,
             dropout_position=self.dropout_position,
@@ -277,6 +308,15 @@ class LoRA:
             params_dtype=weight.dtype,
             device=weight.device,
         )
+        if grouped and not self.share_expert_adapters:
+            adapter = experts.GroupedExpertAdapter(in_features, out_features, dim,
+                                                   num_local_experts=base.num_gemms, **kwargs)
+        else:
+            ep_group = experts.grouped_ep_group(base) if grouped else None
+            adapter = ParallelLinearAdapter(in_features, out_features, dim, is_expert=is_expert,
+                                            ep_group=ep_group, **kwargs)
+            if grouped:  # one adapter, declared in each local expert's checkpoint slot (Bridge's keys)
+                adapter.expert_slots = experts.expert_slots(base)
         adapter.qualified_name = qualified_name or path
         return adapter
 
@@ -295,6 +335,13 @@ def attach_producers(model: nn.Module) -> None:
                     adapter.producer, adapter.producer_reason = None, found
                 else:
                     adapter.producer, adapter.producer_reason = found, None
+
+
+def finish_wrapping(model: nn.Module) -> None:
+    """After every wrap: the sequence-length check, and one fallback log for the model's adapters
+    (each distinct reason logged once with a count, :mod:`regather.fallback_log`)."""
+    _install_sequence_check(model)
+    fallback_log.attach(model, adapters(model).values())
 
 
 def adapters(model: nn.Module) -> dict[str, ParallelLinearAdapter]:
@@ -334,11 +381,12 @@ def _group_size(group) -> int:
 
 def _is_parallel_linear(module: nn.Module) -> bool:
     name = type(module).__name__
-    return ("ColumnParallel" in name or "RowParallel" in name) and hasattr(module, "weight")
+    return ("ColumnParallel" in name or "RowParallel" in name) and (
+        hasattr(module, "weight") or experts.is_grouped_linear(module))
 
 
 def _tp_group(base: nn.Module):
-    group = getattr(base, "tp_group", None)
+    group = experts.tp_group_of(base)
     if group is not None:
         return group
     from megatron.core import parallel_state

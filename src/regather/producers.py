@@ -58,6 +58,11 @@ from regather import te
 
 Captured = Union[tuple, str]  # the tensors to save, or why not
 
+#: An expert linear_fc1's input: the tokens after permutation and all-to-all / all-gather. With
+#: frozen experts no op of the MoE layer saves them (permute keeps indices, the frozen expert
+#: linear keeps no input), so there is nothing to rebuild them from.
+EXPERT_INPUT_KEPT = "expert linear_fc1: its input is the dispatched tokens, which no op of the MoE layer keeps"
+
 _NORM_CLASSES = ("LayerNorm", "RMSNorm", "FusedLayerNorm", "L2Norm")
 
 

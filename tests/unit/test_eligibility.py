@@ -42,7 +42,11 @@ def test_eligible_column_adapter_has_no_reason():
          "base layer 'linear_proj' is row-parallel (its input is split over hidden, not sequence)"),
         (dict(sequence_parallel=False), "sequence parallelism is off for 'linear_qkv'"),
         (dict(tp_size=1), "tensor-parallel size is 1"),
-        (dict(is_expert=True, base_name="linear_fc1"), "'linear_fc1' is an expert (MoE) linear"),
+        (dict(is_expert=True, base_name="linear_fc1"),
+         "expert linear: its input is the token dispatcher's output, not a sequence shard"),
+        (dict(explicit_comm=True, base_name="linear_fc1"),
+         "base layer 'linear_fc1' leaves its TP communication to its caller (explicit_expert_comm / "
+         "parallel_mode=None: a MoE shared expert with overlap)"),
         (dict(a2a_experts=True), "adapter uses all-to-all expert communication (a2a_experts=True)"),
         (dict(activation="silu"), "adapter activation is 'silu', not 'identity'"),
         (dict(base_name="linear_q_down_proj"),
@@ -88,6 +92,10 @@ def test_rules_are_checked_in_order():
     assert reason(training=False, tp_size=1) == "module is in eval mode"
     assert reason(tp_size=1, base_name="linear_proj", column_parallel=False).startswith(
         "base layer 'linear_proj' is row-parallel")
+    # an expert says so before any layout rule: an expert-TP group of one (EP > 1, ETP = 1) is not
+    # "sequence parallelism is off", and an expert fc2 is an expert before it is row-parallel
+    for layout in (dict(tp_size=1, sequence_parallel=False), dict(column_parallel=False, base_name="linear_fc2")):
+        assert reason(is_expert=True, explicit_comm=True, **layout).startswith("expert linear:")
 
 
 def test_missing_config_fields_default_to_eligible():

@@ -7,7 +7,16 @@ path                input                 LoRA-A
                     (split over hidden)   ``linear_fc2``); the adapter reduces ``mid``
 ``replicated``      ``x [s, b, h]``       column-parallel ``A_i [r/t, h]`` without SP;
                     (same on every rank)  ``dX`` is all-reduced over TP (megatron's copy)
+``dispatched``      ``x [n, h]`` (the     column-parallel ``A_i [r/t, h]`` of a base that
+                    token dispatcher's    leaves TP communication to its caller (MoE
+                    output, same on every experts: ``explicit_expert_comm``); ``dX`` stays
+                    expert-TP rank)       partial, as the base's: the dispatcher's reverse
+                                          reduce-scatters both over expert TP
 =================== ===================== ============================================
+
+``row`` and ``dispatched`` also run per-expert adapters (``splits``: the ``m_splits`` row
+blocks of grouped experts, one LoRA-A per block, :class:`~regather.strategies.wgrad.
+GroupedLinearWithWgrad`).
 
 Saved for backward: the input, through the path's source — kept, or, for ``row``
 (``linear_fc2``), recomputed from what the MLP activation already keeps
@@ -22,7 +31,7 @@ from regather.strategies.wgrad import linear
 
 
 def _row(x, weight, args):
-    return linear(x, weight, args.fuse, args.source)
+    return linear(x, weight, args.fuse, args.source, args.splits)
 
 
 def _replicated(x, weight, args):
@@ -33,5 +42,8 @@ def _replicated(x, weight, args):
 
 ROW = LoraAPath("row", saves="x_i [s, b, h/t] (or what its producer keeps)", sends="none",
                 recomputes=True, fn=_row)
+DISPATCHED = LoraAPath("dispatched", saves="x [n, h] (the dispatched tokens)",
+                       sends="none (dX is reduced over expert TP by the dispatcher, with the base's)",
+                       recomputes=False, fn=_row)
 REPLICATED = LoraAPath("replicated", saves="x [s, b, h]", sends="backward: all-reduce dX",
                        recomputes=False, fn=_replicated)

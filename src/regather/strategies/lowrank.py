@@ -141,18 +141,21 @@ def shard_rows(r: int, rank: int, t: int) -> slice:
 
 
 class ReplicatedShard(torch.autograd.Function):
-    """``A[rows]`` of a replicated ``A`` for the gather path, with the gradient completed over TP.
+    """``weight[rows]`` of a weight replicated over ``group``, with the gradient completed over it.
 
-    Forward returns a copy of this rank's rows (``r/t * h`` elements). With
-    gradient-accumulation fusion the copy carries a fp32 ``main_grad`` of its
-    own, so the gather path's fused wgrad is the same kernel as for a sharded
-    adapter; backward scatters it into a zero ``[r, h]`` and hands it to the
+    Two users: the gather path of a replicated LoRA-A (``rows`` = this rank's rows, ``group`` =
+    TP, :func:`replicated_shard`), and the shared adapter of grouped MoE experts (``rows`` = all,
+    ``group`` = EP, :func:`replicated_copy`: every EP rank holds the same weights and sees other
+    tokens, so the weight's gradient is the sum over EP).
+
+    Forward returns a copy of the rows. With gradient-accumulation fusion the copy carries a
+    fp32 ``main_grad`` of its own, so the path's fused wgrad is the same kernel as for a sharded
+    adapter; backward scatters it into a zero tensor of the weight's shape and hands it to the
     same reduction as :class:`LowRankLinearA`.
     """
 
     @staticmethod
-    def forward(ctx, weight, rank, t, group, fuse, reduce_dA):
-        rows = shard_rows(weight.shape[0], rank, t)
+    def forward(ctx, weight, rows, group, fuse, reduce_dA):
         shard = weight[rows].clone()
         if _fused(weight, fuse):  # (fuse is False under no_grad: see replicated_shard)
             shard.main_grad = torch.zeros(shard.shape, dtype=torch.float32, device=shard.device)
@@ -169,16 +172,22 @@ class ReplicatedShard(torch.autograd.Function):
         part = shard.main_grad if fused else grad_shard
         if fused and not ctx.reduce_dA:  # finalize mode: leave the zero-padded partial in main_grad
             weight.main_grad[ctx.rows].add_(part)
-            return main_grad_placeholder(weight), None, None, None, None, None
+            return main_grad_placeholder(weight), None, None, None, None
         full = torch.zeros(weight.shape, dtype=part.dtype, device=part.device)
         full[ctx.rows] = part
         grad_w = _PartialGrad(weight, full, ctx.group, ctx.reduce_dA, fused).finish()
-        return grad_w, None, None, None, None, None
+        return grad_w, None, None, None, None
 
 
 def replicated_shard(weight, rank: int, t: int, group, fuse: bool, reduce_dA: bool = True):
     # grad mode is off inside Function.forward: decide here whether a main_grad buffer is needed
-    return ReplicatedShard.apply(weight, rank, t, group, fuse and torch.is_grad_enabled(), reduce_dA)
+    rows = shard_rows(weight.shape[0], rank, t)
+    return ReplicatedShard.apply(weight, rows, group, fuse and torch.is_grad_enabled(), reduce_dA)
+
+
+def replicated_copy(weight, group, fuse: bool):
+    """``weight`` (the same on every rank of ``group``) with its gradient summed over ``group``."""
+    return ReplicatedShard.apply(weight, slice(None), group, fuse and torch.is_grad_enabled(), True)
 
 
 LOWRANK = LoraAPath(

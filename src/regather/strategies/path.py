@@ -25,6 +25,7 @@ class PathArgs:
     x_full: Optional[torch.Tensor] = None   # an input gathered once for base and adapter
     reduce_dA: bool = True          # lowrank: sum dA over TP inside backward
     share: Any = None               # regather: a SharedGather with the other adapters on this input
+    splits: Any = None              # per-expert adapters: the m_splits row blocks, one weight each
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ path               module                           when
 ``lowrank``        :mod:`.lowrank`                  column-parallel, SP, lowrank decision
 ``row``            :mod:`.local`                    row-parallel base
 ``replicated``     :mod:`.local`                    column-parallel base without SP
+``dispatched``     :mod:`.local`                    column-parallel base whose caller does its TP
+                                                    communication (MoE experts)
 ================== ================================ ==========================================
 
 Each path says what it saves and sends (:class:`~regather.strategies.path.LoraAPath`);
@@ -22,23 +24,26 @@ from __future__ import annotations
 
 from regather.strategies import Strategy
 from regather.strategies.gather import GATHER
-from regather.strategies.local import REPLICATED, ROW
+from regather.strategies.local import DISPATCHED, REPLICATED, ROW
 from regather.strategies.lowrank import LOWRANK
 from regather.strategies.path import LoraAPath, PathArgs
 from regather.strategies.pregathered import PREGATHERED
 from regather.strategies.regather import REGATHER, REGATHER_SHARED
 
-PATHS = {p.name: p for p in (GATHER, PREGATHERED, REGATHER, REGATHER_SHARED, LOWRANK, ROW, REPLICATED)}
+PATHS = {p.name: p for p in (GATHER, PREGATHERED, REGATHER, REGATHER_SHARED, LOWRANK, ROW, REPLICATED, DISPATCHED)}
 
 __all__ = ["PATHS", "LoraAPath", "PathArgs", "lookup"]
 
 
 def lookup(used: Strategy, *, column: bool, sequence_parallel: bool, shared: bool = False,
-           gathered: bool = False) -> LoraAPath:
+           gathered: bool = False, explicit_comm: bool = False) -> LoraAPath:
     """The path for a forward that uses ``used`` on this layout (``shared``: an ``x_full``
-    gathered once for base and adapter; ``gathered``: the input itself is already gathered)."""
+    gathered once for base and adapter; ``gathered``: the input itself is already gathered;
+    ``explicit_comm``: the base's caller does its TP communication)."""
     if not column:
         return ROW
+    if explicit_comm:
+        return DISPATCHED
     if not sequence_parallel:
         return REPLICATED
     if used == Strategy.LOWRANK:

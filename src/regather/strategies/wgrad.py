@@ -102,5 +102,55 @@ class LinearWithWgrad(torch.autograd.Function):
         return grad_in, grad_w, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, fuse: bool = False, source=KEEP) -> torch.Tensor:
+class GroupedLinearWithWgrad(torch.autograd.Function):
+    """``Y_i = X_i W_i^T`` for consecutive row blocks ``X_i`` (``splits[i]`` rows each) and the
+    per-expert weights ``W [E, out, in]`` (MoE per-expert adapters; megatron's ``m_splits``).
+
+    ============ ========================== ===================================
+    tensor       shape                      saved for backward
+    ============ ========================== ===================================
+    X            ``[sum(splits), in]``      through ``source`` (needed for dW)
+    W            ``[E, out, in]``           kept on ``ctx`` (see LinearWithWgrad)
+    Y            ``[sum(splits), out]``     no
+    ============ ========================== ===================================
+
+    Each block's product is the 2-D GEMM :class:`LinearWithWgrad` would run on it, and each
+    expert's ``dW_i = dY_i^T X_i`` goes through :func:`weight_grad` into ``main_grad[i]`` with
+    gradient-accumulation fusion (megatron's convention: a placeholder is returned), else into
+    one ``[E, out, in]`` gradient. An expert that got no tokens has a zero gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, splits, fuse, source):
+        ctx.save_for_backward(*source.save(x))
+        ctx.weight, ctx.splits, ctx.fuse, ctx.source = weight, splits, fuse, source.handle()
+        parts = [torch.matmul(xi, weight[i].t()) for i, xi in enumerate(torch.split(x, splits))]
+        return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, splits = ctx.weight, ctx.splits
+        go = torch.split(grad_out, splits)
+        grad_in = None
+        if ctx.needs_input_grad[0]:
+            grad_in = torch.cat([g.matmul(weight[i]) for i, g in enumerate(go)])
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            xs = torch.split(ctx.source.load(ctx.saved_tensors), splits)
+            main_grad = getattr(weight, "main_grad", None) if ctx.fuse else None
+            if main_grad is not None:
+                from regather.ops import wgrad_accumulate_
+
+                for i, (g, xi) in enumerate(zip(go, xs)):
+                    wgrad_accumulate_(main_grad[i], g.reshape(-1, g.shape[-1]), xi.reshape(-1, xi.shape[-1]))
+                grad_w = main_grad_placeholder(weight)
+            else:
+                grad_w = torch.stack([weight_grad(weight[i], g, xi, False) for i, (g, xi) in enumerate(zip(go, xs))])
+        return grad_in, grad_w, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, fuse: bool = False, source=KEEP, splits=None) -> torch.Tensor:
+    """``x @ weight^T`` (``splits``: per-expert row blocks of ``x`` against ``weight [E, out, in]``)."""
+    if splits is not None:
+        return GroupedLinearWithWgrad.apply(x, weight, list(splits), fuse, source)
     return LinearWithWgrad.apply(x, weight, fuse, source)
