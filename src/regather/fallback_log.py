@@ -17,6 +17,10 @@ moment decides — eval, ``no_grad``, row-parallel, experts —, WARNING for wha
 user). A reason is logged once per model, counted over the adapters that reported it in the
 forward where it first appeared; later adapters with the same reason are not logged again.
 An adapter built outside ``regather.LoRA`` (no log attached) logs its own line, as before.
+
+Every record carries the facts as attributes, for handlers and tests that want more than the
+text: ``record.regather_what``, ``record.regather_reason`` and ``record.regather_adapters``
+(the paths of every adapter the line covers, in report order).
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ class FallbackLog:
             self._logged.add((what, reason))
             n = len(paths)
             where = paths[0] if n == 1 else f"{paths[0]} and {n - 1} more; regather.decisions(model) lists them"
-            logger.log(level, "LoRA: %s on %d adapter%s: %s (%s)", what, n, "" if n == 1 else "s", reason, where)
+            logger.log(level, "LoRA: %s on %d adapter%s: %s (%s)", what, n, "" if n == 1 else "s", reason, where,
+                       extra=_extra(what, reason, paths))
 
     def logged(self) -> set[tuple[str, str]]:
         return set(self._logged)
@@ -63,7 +68,11 @@ def report(log: Optional[FallbackLog], what: str, reason: str, path: str, level:
     if log is not None:
         log.report(what, reason, path, level)
     else:
-        logger.log(level, "LoRA adapter on %s: %s: %s", path, what, reason)
+        logger.log(level, "LoRA adapter on %s: %s: %s", path, what, reason, extra=_extra(what, reason, [path]))
+
+
+def _extra(what: str, reason: str, paths: list[str]) -> dict:
+    return {"regather_what": what, "regather_reason": reason, "regather_adapters": tuple(paths)}
 
 
 def attach(model, adapters) -> FallbackLog:

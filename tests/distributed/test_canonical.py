@@ -371,9 +371,11 @@ def test_one_member_falls_back_alone(suite):
         assert runs["early"]["pool"]["acquired"] == {"regather.forward.x_full": 2 * 2 * L,
                                                     "regather.backward.x_full": 2 * 2 * L}
         assert runs["early"]["pool"]["in_flight"] == 0
+        # one line for the reason, counting both layers' linear_k
         assert d["frozen_k_messages"] == [
-            f"LoRA adapter on decoder.layers.{i}.self_attention.linear_k: regather requested, using the gather "
-            "path: LoRA-A weight is frozen (requires_grad=False)" for i in range(L)]
+            f"LoRA: regather requested, using the gather path on {L} adapters: LoRA-A weight is frozen "
+            f"(requires_grad=False) (decoder.layers.0.self_attention.linear_k and {L - 1} more; "
+            "regather.decisions(model) lists them)"]
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------

@@ -361,8 +361,16 @@ def run_variant(setup: Setup, variant: str) -> dict:
     batches = [gpt_batch(sh, setup.micro_batch, seed=s) for s in (1, 2)]
     res: dict = {"before": {p: str(d) for p, d in decisions(model).items()}}
     logs: list = []
+    fallbacks: list = []  # (level, what, reason, adapter paths, text) of each fallback record
+
+    def emit(r):
+        logs.append((r.levelname, r.getMessage()))
+        if hasattr(r, "regather_adapters"):
+            fallbacks.append((r.levelname, r.regather_what, r.regather_reason, list(r.regather_adapters),
+                              r.getMessage()))
+
     handler = logging.Handler()
-    handler.emit = lambda r: logs.append((r.levelname, r.getMessage()))
+    handler.emit = emit
     logger = logging.getLogger("regather")
     logger.addHandler(handler)
     old_level = logger.level
@@ -382,6 +390,7 @@ def run_variant(setup: Setup, variant: str) -> dict:
     res["out"], res["dx"] = rec.out, rec.dx
     res["input_dx"] = [t.grad for t in rec.inputs]
     res["logs"] = logs
+    res["fallbacks"] = fallbacks
     res["producers"] = {p: (type(a.producer).__name__ if a.producer is not None else None, a.producer_reason)
                         for p, a in adapters(model).items()}
     res["norm_eps"] = [getattr(layer.input_layernorm, "eps", None) for layer in model.decoder.layers]

@@ -1,0 +1,211 @@
+"""Rank bodies for the MoE tests: a tiny megatron-core MoE GPT (megatron's MoELayer, router,
+token dispatcher, SequentialMLP or TEGroupedMLP experts) trained with LoRA on gloo ranks.
+
+Every model of a case starts from the same full weights (``GlobalLayout`` + ``full_weights``,
+one tensor per global parameter name: megatron initialises experts per EP rank, so layouts do
+not share an init by seed), sees the same batches (DP rank ``d`` takes rows ``d`` of the global
+batch) and trains with SGD. Gradients are reduced as megatron's DDP reduces them (dense
+parameters over DP, expert parameters — ``allreduce=False`` — over expert DP, both scaled by
+1/DP), so a layout with DP > 1 computes the global batch's gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from regather.testing.moe_models import GlobalLayout, TinyMoE, build_moe_gpt, full_weights
+
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# variant -> (strategy, LoRA overrides); the "-rc" ones with recompute_adapter_inputs
+VARIANTS = {
+    "gather": ("gather", {}),
+    "regather": ("regather", {}),
+    "regather-plain": ("regather", {"early_regather": False}),
+    "lowrank": ("lowrank", {}),
+    "gather-rc": ("gather", {"recompute_adapter_inputs": True}),
+    "regather-rc": ("regather", {"recompute_adapter_inputs": True}),
+    "lowrank-rc": ("lowrank", {"recompute_adapter_inputs": True}),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One MoE setup: a layout (TP x EP x ETP), the model, and the variants trained on it."""
+
+    tp: int = 2
+    ep: int = 2
+    etp: int = 1
+    shape: TinyMoE = field(default_factory=TinyMoE)
+    dtype: str = "float32"
+    share: bool = True  # share_expert_adapters (grouped experts)
+    variants: tuple = tuple(VARIANTS)
+    steps: int = 2
+    batch: int = 2  # global micro-batch (split over DP)
+    lr: float = 0.05
+    dim: int = 8
+    model: tuple = ()  # megatron TransformerConfig overrides, as (name, value) pairs
+
+    @property
+    def world(self) -> int:
+        return max(self.tp, self.ep * self.etp)
+
+    @property
+    def torch_dtype(self):
+        return getattr(torch, self.dtype)
+
+    def reference(self) -> "Case":
+        """The same model, weights and batches on one rank: TP = EP = ETP = 1."""
+        return replace(self, tp=1, ep=1, etp=1, variants=("gather",))
+
+
+def _lora(case: Case, variant: str):
+    from regather import LoRA
+
+    strategy, overrides = VARIANTS[variant]
+    kwargs = dict(target_modules=list(TARGETS), dim=case.dim, alpha=2 * case.dim, lora_B_init_method="xavier",
+                  share_expert_adapters=case.share, **overrides)
+    if strategy == "lowrank":
+        return LoRA(sequence_parallel_input_strategy="lowrank", **kwargs)
+    return LoRA(sequence_parallel_input_regather=strategy == "regather", **kwargs)
+
+
+def build(case: Case, variant: str, init_parallel: bool = True):
+    """The LoRA-wrapped MoE GPT of ``case`` holding the case's full weights, and its layout map."""
+    model = build_moe_gpt(case.shape, case.tp, case.ep, case.etp, case.torch_dtype, init_parallel=init_parallel,
+                          **dict(case.model))
+    torch.manual_seed(99)
+    model = _lora(case, variant)(model, training=True)
+    layout = GlobalLayout(model, case.shape)
+    layout.load(model, full_weights(layout.global_shapes()))
+    return model, layout
+
+
+def batches(case: Case):
+    """This DP rank's rows of each step's global batch."""
+    from megatron.core import parallel_state as ps
+
+    from regather.testing.models import gpt_batch
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per = case.batch // dp
+    for step in range(case.steps):
+        tokens, labels, pos, mask = gpt_batch(case.shape, case.batch, seed=step)
+        rows = slice(rank * per, (rank + 1) * per)
+        yield tokens[rows], labels[rows], pos[rows], mask
+
+
+def reduce_like_ddp(params: dict) -> None:
+    """megatron DDP's gradient reduction: dense over DP, expert (``allreduce=False``) over expert
+    DP, each scaled by 1 / DP."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    for p in params.values():
+        if p.grad is None:
+            continue
+        group = ps.get_data_parallel_group() if getattr(p, "allreduce", True) else ps.get_expert_data_parallel_group()
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= dp
+
+
+def _tokens_per_expert(model, store: dict) -> list:
+    """Record each MoE layer's ``tokens_per_expert`` (local experts, this rank) per forward."""
+    handles = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            def hook(mod, args, out, _n=name):
+                store.setdefault(_n, []).append([int(n) for n in args[1].tolist()])
+            handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+        self.fallbacks = []  # (level, what, reason, adapter paths) of each fallback record
+
+    def emit(self, record):
+        self.records.append((record.levelname, record.getMessage()))
+        if hasattr(record, "regather_adapters"):
+            self.fallbacks.append((record.levelname, record.regather_what, record.regather_reason,
+                                   list(record.regather_adapters)))
+
+
+def train(case: Case, variant: str, init_parallel: bool = True) -> dict:
+    """Train ``variant`` for ``case.steps`` SGD steps; what the tests compare and count."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from regather.accounting import ADAPTER_INPUT, CollectiveBytes
+    from regather.lora import adapters, decisions
+    from regather.testing.models import gpt_loss
+    from regather.testing.train import AdapterSavedBytes
+
+    logs = _Records()
+    logger = logging.getLogger("regather")
+    logger.addHandler(logs)
+    old_level, logger.level = logger.level, logging.INFO
+    try:
+        model, layout = build(case, variant, init_parallel)
+        named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        opt = torch.optim.SGD(named.values(), lr=case.lr)
+        routed: dict = {}
+        handles = _tokens_per_expert(model, routed)
+        out = {"loss": [], "before": {p: str(d) for p, d in decisions(model).items()}}
+        for step, batch in enumerate(batches(case)):
+            opt.zero_grad(set_to_none=True)
+            if step == 0:
+                with CollectiveBytes() as comm, AdapterSavedBytes(model) as saved:
+                    loss = gpt_loss(model, batch)
+                    loss.backward()
+                out["saved_total"], out["saved_adapter_input"] = saved.total, saved.of(ADAPTER_INPUT)
+                out["saved_by_adapter"] = dict(saved.by_adapter)
+                out["comm"] = comm.snapshot()
+            else:
+                loss = gpt_loss(model, batch)
+                loss.backward()
+            reduce_like_ddp(named)
+            if step == 0:
+                out["first_grads"] = layout.scatter({n: p.grad.detach().float().clone() for n, p in named.items()})
+            if step == case.steps - 1:
+                out["grads"] = {n: p.grad.detach().clone() for n, p in named.items()}
+            opt.step()
+            value = torch.tensor([loss.item()], dtype=torch.float64)
+            dist.all_reduce(value, group=ps.get_data_parallel_group())
+            out["loss"].append(value.item() / ps.get_data_parallel_world_size())
+        for h in handles:
+            h.remove()
+        out["decisions"] = {p: str(a.last_decision) for p, a in adapters(model).items()}
+        out["adapter_types"] = {p: type(a).__name__ for p, a in adapters(model).items()}
+        out["adapter_dims"] = {p: a.dim for p, a in adapters(model).items()}
+        out["allreduce"] = {n: getattr(p, "allreduce", True) for n, p in named.items()}
+        out["routed"] = routed
+        out["ep_rank"], out["etp_rank"] = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+        out["tp_rank"], out["dp_rank"] = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+        out["param_names"] = sorted(n for n, _ in model.named_parameters())
+        out["final"] = {n: p.detach().clone() for n, p in named.items()}
+    finally:
+        logger.removeHandler(logs)
+        logger.level = old_level
+    out["logs"], out["fallbacks"] = logs.records, logs.fallbacks
+    return out
+
+
+def case_worker(rank: int, world_size: int, group: tuple, cases: dict) -> dict:
+    """Every variant of every case in ``group`` (their layouts all use ``world_size`` ranks)."""
+    out = {}
+    for name in group:
+        case = cases[name]
+        out[name] = {v: train(case, v) for v in case.variants}
+    return out
+
+
+def reference_worker(rank: int, world_size: int, group: tuple, cases: dict) -> dict:
+    """Each case of ``group`` on one rank (TP = EP = ETP = 1): the gather path's results."""
+    return {name: train(cases[name].reference(), "gather") for name in group}
