@@ -47,15 +47,17 @@ def over_expert_slots(value, axis: int, first: int, n_local: int, n_global: int)
 
     inner_merge = value.merge_fn if isinstance(value, ShardedTensorFactory) else (lambda parts: parts[0])
 
-    def inner(data, replica_id, flattened_range):
+    # ``key`` is the factory's key when megatron builds it: a parent (TEGroupedMLP) renames its
+    # children's keys after they declared them, so the inner entry's own key is stale by then
+    def inner(key, data, replica_id, flattened_range):
         if isinstance(value, ShardedTensor):
-            return [dataclasses.replace(value, data=data, replica_id=replica_id)]
-        built = value.build_fn(value.key, data, replica_id, flattened_range)
+            return [dataclasses.replace(value, key=key, data=data, replica_id=replica_id)]
+        built = value.build_fn(key, data, replica_id, flattened_range)
         return built if isinstance(built, list) else [built]
 
     @torch.no_grad()
     def build(key, data, replica_id, flattened_range):
-        parts = inner(data, replica_id, flattened_range)
+        parts = inner(key, data, replica_id, flattened_range)
         return [_with_axis(st, axis, first + slot, n_global) for slot in range(n_local) for st in parts]
 
     def merge(loaded):
@@ -100,17 +102,17 @@ def _swiglu_halves(st, local_axis: int):
     half = st.local_shape[local_axis] // 2
     rank, frag = st.global_offset[g] // st.local_shape[local_axis], st.axis_fragmentations[g]
 
-    def part(data, index):
+    def part(key, data, index):
         return dataclasses.replace(
-            st, data=data, local_shape=data.shape,
+            st, key=key, data=data, local_shape=data.shape,
             global_offset=st.global_offset[:g] + (index * half,) + st.global_offset[g + 1:],
             axis_fragmentations=st.axis_fragmentations[:g] + (2 * frag,) + st.axis_fragmentations[g + 1:])
 
     @torch.no_grad()
     def build(key, data, replica_id, flattened_range):
         w, v = torch.chunk(data, 2, dim=local_axis)
-        return [dataclasses.replace(part(w, rank), replica_id=replica_id),
-                dataclasses.replace(part(v, rank + frag), replica_id=replica_id)]
+        return [dataclasses.replace(part(key, w, rank), replica_id=replica_id),
+                dataclasses.replace(part(key, v, rank + frag), replica_id=replica_id)]
 
     def merge(loaded):
         return torch.cat(loaded, dim=local_axis)

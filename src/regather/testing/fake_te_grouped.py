@@ -35,6 +35,15 @@ import torch
 from torch import nn
 
 
+def _merge_extra_states(module, state_dict, prefix, *unused) -> None:
+    """megatron's ``TEGroupedLinear`` load pre-hook: a distributed checkpoint holds one
+    ``_extra_state{i}`` per GEMM (its ``sharded_state_dict`` declares them), the module one
+    ``_extra_state``; megatron pops ``_extra_state1 ..`` and merges their fp8 metadata into it (none
+    on CPU: popped only, as megatron does when ``_extra_state`` carries nothing)."""
+    for i in range(1, module.num_gemms):
+        state_dict.pop(f"{prefix}_extra_state{i}", None)
+
+
 class TEGroupedLinear(nn.Module):
     """Stand-in for megatron's ``TEGroupedLinear`` (see the module doc)."""
 
@@ -83,6 +92,7 @@ class TEGroupedLinear(nn.Module):
                 setattr(self, f"bias{i}", nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)))
         for p in self.parameters():
             p.allreduce = not (is_expert and self.expert_parallel)
+        self._register_load_state_dict_pre_hook(_merge_extra_states, with_module=True)
 
     def forward(self, x: torch.Tensor, m_splits):
         splits = [int(m) for m in (m_splits.tolist() if torch.is_tensor(m_splits) else m_splits)]
