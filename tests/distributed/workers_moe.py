@@ -73,12 +73,13 @@ def _lora(case: Case, variant: str):
     return LoRA(sequence_parallel_input_regather=strategy == "regather", **kwargs)
 
 
-def build(case: Case, variant: str, init_parallel: bool = True):
-    """The LoRA-wrapped MoE GPT of ``case`` holding the case's full weights, and its layout map."""
+def build(case: Case, variant: str, init_parallel: bool = True, wrap=None):
+    """The LoRA-wrapped MoE GPT of ``case`` holding the case's full weights, and its layout map.
+    ``wrap(case, variant)``: the transform to apply instead of :func:`_lora`'s (Bridge's LoRA)."""
     model = build_moe_gpt(case.shape, case.tp, case.ep, case.etp, case.torch_dtype, init_parallel=init_parallel,
                           **dict(case.model))
     torch.manual_seed(99)
-    model = _lora(case, variant)(model, training=True)
+    model = (wrap or _lora)(case, variant)(model, training=True)
     layout = GlobalLayout(model, case.shape)
     layout.load(model, full_weights(layout.global_shapes()))
     return model, layout
@@ -137,7 +138,7 @@ class _Records(logging.Handler):
                                    list(record.regather_adapters)))
 
 
-def train(case: Case, variant: str, init_parallel: bool = True) -> dict:
+def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> dict:
     """Train ``variant`` for ``case.steps`` SGD steps; what the tests compare and count."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -152,7 +153,7 @@ def train(case: Case, variant: str, init_parallel: bool = True) -> dict:
     logger.addHandler(logs)
     old_level, logger.level = logger.level, logging.INFO
     try:
-        model, layout = build(case, variant, init_parallel)
+        model, layout = build(case, variant, init_parallel, wrap)
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD(named.values(), lr=case.lr)
         routed: dict = {}
