@@ -61,11 +61,12 @@ import sys
 import traceback
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from regather.testing.models import TinyGPT, gpt_batch, init_model_parallel
+from regather.testing.moe_models import TinyMoE
 
 # -- CPU patches ----------------------------------------------------------------------
 
@@ -268,7 +269,9 @@ class TrainSpec:
     vpp: Optional[int] = None
     ddp: DDPOptions = field(default_factory=DDPOptions)
     gradient_accumulation_fusion: bool = False
-    shape: TinyGPT = field(default_factory=TinyGPT)
+    shape: Union[TinyGPT, TinyMoE] = field(default_factory=TinyGPT)  # a TinyMoE: megatron's MoE layers
+    ep: int = 1  # expert model parallel (MoE shapes)
+    etp: Optional[int] = None  # expert tensor parallel (None: megatron's default, ``tp``)
     micro_batch: int = 2
     num_microbatches: int = 4
     steps: int = 3
@@ -281,6 +284,14 @@ class TrainSpec:
     batch_p2p_comm: Optional[bool] = None  # None: off with a virtual pipeline (gloo, §8)
     seed: int = 1234
     timeout_minutes: float = 1.0  # megatron's process groups (a stage waiting on a failed peer)
+
+    def __post_init__(self):
+        moe = isinstance(self.shape, TinyMoE)
+        if not moe and (self.ep != 1 or self.etp is not None):
+            raise ValueError(f"TrainSpec(ep={self.ep}, etp={self.etp}): expert parallelism needs a TinyMoE shape, "
+                             f"got {type(self.shape).__name__}")
+        if moe and self.pp != 1:
+            raise ValueError(f"TrainSpec(pp={self.pp}): the MoE builder here has no pipeline stages; use pp=1")
 
     @property
     def p2p_batched(self) -> bool:
@@ -334,7 +345,8 @@ def setup_parallel(spec: TrainSpec) -> None:
     enable_megatron_training_cpu()
     teardown_parallel()
     before = set(_process_groups())
-    init_model_parallel(spec.tp, spec.seed, pp=spec.pp, vpp=spec.vpp, timeout_minutes=spec.timeout_minutes)
+    init_model_parallel(spec.tp, spec.seed, pp=spec.pp, vpp=spec.vpp, timeout_minutes=spec.timeout_minutes,
+                        ep=spec.ep, etp=spec.etp)
     _GROUPS.extend(g for g in _process_groups() if g not in before)
 
 
@@ -361,6 +373,13 @@ def build_model_chunks(spec: TrainSpec) -> list:
         overrides.update(pipeline_model_parallel_size=spec.pp,
                          virtual_pipeline_model_parallel_size=spec.vpp)
     chunks = []
+    if isinstance(spec.shape, TinyMoE):  # one stage, one chunk (TrainSpec checks)
+        from regather.testing.moe_models import build_moe_gpt
+
+        model = build_moe_gpt(spec.shape, spec.tp, spec.ep, spec.etp, torch.float32, seed=spec.seed,
+                              init_parallel=False, gradient_accumulation_fusion=spec.gradient_accumulation_fusion,
+                              **overrides)
+        return [_adapt(model, spec, stage=0)]
     for vp in range(chunks_per_stage):
         model = build_gpt(
             spec.shape, spec.tp, True, torch.float32, seed=spec.seed,
@@ -371,14 +390,18 @@ def build_model_chunks(spec: TrainSpec) -> list:
             init_parallel=False,
             **overrides,
         )
-        # adapter init: the same on every TP/DP rank, different per pipeline chunk
-        torch.manual_seed(spec.seed + 1 + 100 * (vp * spec.pp + pp_rank))
-        if STRATEGIES[spec.strategy] is None:
-            _megatron_control(model, spec.targets)
-        else:
-            model = lora_config(spec)(model, training=True)
-        chunks.append(model)
+        chunks.append(_adapt(model, spec, stage=vp * spec.pp + pp_rank))
     return chunks
+
+
+def _adapt(model, spec: TrainSpec, stage: int):
+    """LoRA on ``model`` (or the control's trainable base linears); the adapter init is the same
+    on every TP/DP rank, different per pipeline chunk."""
+    torch.manual_seed(spec.seed + 1 + 100 * stage)
+    if STRATEGIES[spec.strategy] is None:
+        _megatron_control(model, spec.targets)
+        return model
+    return lora_config(spec)(model, training=True)
 
 
 def _megatron_control(model, targets) -> None:
@@ -549,7 +572,9 @@ def _coords() -> dict:
     from megatron.core import parallel_state as ps
 
     return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
-            "dp": ps.get_data_parallel_rank(), "last_stage": ps.is_pipeline_last_stage(ignore_virtual=True)}
+            "dp": ps.get_data_parallel_rank(), "last_stage": ps.is_pipeline_last_stage(ignore_virtual=True),
+            "ep": ps.get_expert_model_parallel_rank(), "etp": ps.get_expert_tensor_parallel_rank(),
+            "edp": ps.get_expert_data_parallel_rank()}
 
 
 def train(spec: TrainSpec) -> dict:
@@ -616,6 +641,11 @@ def _train_steps(spec: TrainSpec, model: list, optimizer, config) -> dict:
     forward_backward = get_forward_backward_func()
     out["schedule"] = forward_backward.__name__
     out["buckets"] = [sum(len(buffer.buckets) for buffer in m.buffers) for m in model]
+    # which trainable parameters DDP put in its expert-parallel buffers (reduced over expert DP)
+    by_param = {id(p): n for n, p in named.items()}
+    out["expert_buffer_params"] = sorted(by_param[id(p)] for i, m in enumerate(model)
+                                         for buffer in getattr(m, "expert_parallel_buffers", [])
+                                         for p in buffer.params if id(p) in by_param)
     out["layers"] = [[layer.layer_number for layer in _unwrap(m).decoder.layers] for m in model]
     for step in range(spec.steps):
         batches = step_batches(spec, step, coords["dp"])

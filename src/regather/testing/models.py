@@ -27,13 +27,17 @@ def init_model_parallel(
     pp: int = 1,
     vpp: Optional[int] = None,
     timeout_minutes: Optional[float] = None,
+    ep: int = 1,
+    etp: Optional[int] = None,
 ) -> None:
     """Initialise megatron's parallel state on an existing default group.
 
     ``tp`` x ``pp`` model parallelism (data parallel over the remaining ranks),
     ``vpp`` virtual pipeline chunks per stage. ``timeout_minutes`` bounds each
     collective / p2p op of megatron's groups (megatron's default is 30 min; a test
-    that can leave one pipeline stage waiting on a failed peer wants less).
+    that can leave one pipeline stage waiting on a failed peer wants less). ``ep`` /
+    ``etp``: expert model / expert tensor parallelism (megatron's default ETP is ``tp``);
+    with ``ep > 1`` or an ``etp`` the MoE CPU shims (:mod:`regather.testing.moe_cpu`) are on.
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -46,6 +50,11 @@ def init_model_parallel(
         kwargs.update(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
     if timeout_minutes is not None:
         kwargs["distributed_timeout_minutes"] = timeout_minutes
+    if ep > 1 or etp is not None:
+        from regather.testing.moe_cpu import enable_moe_cpu
+
+        enable_moe_cpu()
+        kwargs.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if etp is None else etp)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, **kwargs)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

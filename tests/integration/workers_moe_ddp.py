@@ -1,0 +1,50 @@
+"""Rank worker for test_moe_ddp.py: a tiny megatron-core MoE GPT (megatron's MoELayer, router,
+alltoall dispatcher, SequentialMLP experts) trained through megatron's own DDP, distributed
+optimizer, ``get_forward_backward_func`` and ``finalize_model_grads``
+(``regather.testing.megatron_train``) at TP2+SP x DP2 with EP2 x ETP1 on 4 gloo ranks: the
+dense parameters reduce over DP (2 ranks), the expert ones over expert DP (2 ranks), each
+group's grads in its own DDP buffers.
+
+Every run of a case starts from the same seed in the same layout (megatron initialises experts
+per EP rank, identically for every strategy here), so each strategy is compared with the case's
+gather run as in the dense integration matrix.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from regather.testing.megatron_train import DDPOptions, TrainSpec, teardown_parallel, train_agreed, warm_up
+from regather.testing.moe_models import TinyMoE
+
+from integration_cases import RECOMPUTE_TWIN  # noqa: F401 - registers the "-rc" strategies
+
+WORLD, TP, EP, ETP = 4, 2, 2, 1
+BUCKET = 600  # elements: the LoRA parameters span several buckets of both the dense and the expert buffers
+CASES = {
+    # what Megatron-LM users run: overlapped grad reduce into the distributed optimizer
+    "distopt_overlap": (DDPOptions(overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=BUCKET),
+                        ("gather", "regather", "regather-plain", "regather-rc", "lowrank", "megatron")),
+    # synchronous all-reduce, plain optimizer: the same first-step gradients as the case above
+    "sync": (DDPOptions(), ("gather", "regather-rc")),
+}
+
+
+def spec_for(case: str, strategy: str) -> TrainSpec:
+    ddp, _ = CASES[case]
+    return TrainSpec(strategy=strategy, tp=TP, ep=EP, etp=ETP, ddp=replace(ddp), shape=TinyMoE(),
+                     steps=2, num_microbatches=3, lr=1e-5, timeout_minutes=0.5)
+
+
+def run_case(rank: int, world_size: int, cases, *_args) -> dict:
+    """Every run of ``cases`` on this rank: ``{(case, strategy): {"result", "error", "seconds"}}``."""
+    warm_up()
+    runs = {}
+    for case in cases:
+        for strategy in CASES[case][1]:
+            t0 = time.perf_counter()
+            result, error = train_agreed(spec_for(case, strategy))
+            runs[(case, strategy)] = {"result": result, "error": error, "seconds": time.perf_counter() - t0}
+    teardown_parallel()
+    return runs
