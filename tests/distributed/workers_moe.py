@@ -29,6 +29,10 @@ VARIANTS = {
     "gather-rc": ("gather", {"recompute_adapter_inputs": True}),
     "regather-rc": ("regather", {"recompute_adapter_inputs": True}),
     "lowrank-rc": ("lowrank", {"recompute_adapter_inputs": True}),
+    # CanonicalLoRA (q/k/v and gate/up adapters; Bridge's canonical targets)
+    "canonical-gather": ("gather", {}),
+    "canonical-regather": ("regather", {}),
+    "canonical-regather-rc": ("regather", {"recompute_adapter_inputs": True}),
 }
 
 
@@ -42,7 +46,7 @@ class Case:
     shape: TinyMoE = field(default_factory=TinyMoE)
     dtype: str = "float32"
     share: bool = True  # share_expert_adapters (grouped experts)
-    variants: tuple = tuple(VARIANTS)
+    variants: tuple = tuple(v for v in VARIANTS if not v.startswith("canonical-"))  # LoRA's
     steps: int = 2
     batch: int = 2  # global micro-batch (split over DP)
     lr: float = 0.05
@@ -59,15 +63,18 @@ class Case:
 
     def reference(self) -> "Case":
         """The same model, weights and batches on one rank: TP = EP = ETP = 1."""
-        return replace(self, tp=1, ep=1, etp=1, variants=("gather",))
+        return replace(self, tp=1, ep=1, etp=1, variants=self.variants[:1])
 
 
 def _lora(case: Case, variant: str):
-    from regather import LoRA
+    from regather import CanonicalLoRA, LoRA
 
     strategy, overrides = VARIANTS[variant]
     kwargs = dict(target_modules=list(TARGETS), dim=case.dim, alpha=2 * case.dim, lora_B_init_method="xavier",
                   share_expert_adapters=case.share, **overrides)
+    if variant.startswith("canonical-"):
+        del kwargs["target_modules"]  # CanonicalLoRA's default: every projection
+        return CanonicalLoRA(sequence_parallel_input_strategy=strategy, **kwargs)
     if strategy == "lowrank":
         return LoRA(sequence_parallel_input_strategy="lowrank", **kwargs)
     return LoRA(sequence_parallel_input_regather=strategy == "regather", **kwargs)
@@ -208,5 +215,6 @@ def case_worker(rank: int, world_size: int, group: tuple, cases: dict) -> dict:
 
 
 def reference_worker(rank: int, world_size: int, group: tuple, cases: dict) -> dict:
-    """Each case of ``group`` on one rank (TP = EP = ETP = 1): the gather path's results."""
-    return {name: train(cases[name].reference(), "gather") for name in group}
+    """Each case of ``group`` on one rank (TP = EP = ETP = 1): the gather path's results (the case's
+    first variant's transform: ``LoRA``, or ``CanonicalLoRA`` for canonical cases)."""
+    return {name: train(cases[name].reference(), cases[name].variants[0]) for name in group}
