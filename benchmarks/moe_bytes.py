@@ -1,0 +1,111 @@
+"""What each LoRA adapter of a MoE model keeps for backward, counted (CPU, gloo).
+
+A tiny megatron-core MoE GPT (megatron's MoELayer, router, token dispatcher, SequentialMLP or
+TEGroupedMLP experts on the TE grouped-linear stand-ins) with LoRA on qkv/proj/fc1/fc2; one
+forward + backward per strategy and variant under the saved-tensor accounting
+(``regather.testing.train.AdapterSavedBytes``), the bytes of LoRA-A inputs summed per adapter
+kind, beside the tokens the router sent to this rank's experts in the same forward (an expert
+adapter keeps ``routed tokens x input width x element size``). Printed per rank as markdown.
+
+    .venv/bin/python benchmarks/moe_bytes.py                          # TP2+SP x EP2, SequentialMLP
+    .venv/bin/python benchmarks/moe_bytes.py --ep 1 --etp 2 --experts grouped
+"""
+
+from __future__ import annotations
+
+import argparse
+
+VARIANTS = {
+    "gather": ("gather", {}),
+    "regather": ("regather", {}),
+    "lowrank": ("lowrank", {}),
+    "gather-rc": ("gather", {"recompute_adapter_inputs": True}),
+    "regather-rc": ("regather", {"recompute_adapter_inputs": True}),
+    "lowrank-rc": ("lowrank", {"recompute_adapter_inputs": True}),
+}
+
+
+def kind(path: str) -> str:
+    linear = path.rsplit(".", 1)[1]
+    if ".experts." in path:
+        return f"expert {linear}"
+    if ".shared_experts." in path:
+        return f"shared expert {linear}"
+    return linear
+
+
+def _rank(rank, world, args):
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from regather import LoRA
+    from regather.accounting import ADAPTER_INPUT
+    from regather.testing.models import gpt_batch, gpt_loss
+    from regather.testing.moe_models import TinyMoE, build_moe_gpt
+    from regather.testing.train import AdapterSavedBytes
+
+    shape = TinyMoE(experts=args.experts, dispatcher=args.dispatcher, topk=args.topk, seq_length=args.seq)
+    dtype = getattr(torch, args.dtype)
+    rows, routed = {}, {}
+    for name, (strategy, extra) in VARIANTS.items():
+        model = build_moe_gpt(shape, args.tp, args.ep, args.etp, dtype)
+        torch.manual_seed(99)
+        LoRA(dim=args.rank, alpha=2 * args.rank, sequence_parallel_input_strategy=strategy, **extra)(model)
+        tokens = {}
+
+        def count(mod, a, out, _tokens=tokens):  # returns None: the experts' output stays theirs
+            _tokens.setdefault(mod.regather_path, [int(x) for x in a[1]])
+
+        handles = []
+        for n, m in model.named_modules():
+            if n.endswith("mlp.experts"):
+                m.regather_path = n
+                handles.append(m.register_forward_hook(count))
+        batch = gpt_batch(shape, args.micro_batch, seed=0)
+        with AdapterSavedBytes(model) as saved:
+            gpt_loss(model, batch).backward()
+        for h in handles:
+            h.remove()
+        by_kind: dict = {}
+        for path, n in saved.by_adapter.items():
+            by_kind[kind(path)] = by_kind.get(kind(path), 0) + n
+        rows[name] = {**by_kind, "all adapter inputs": saved.of(ADAPTER_INPUT), "retained total": saved.total}
+        routed = tokens
+    coords = (f"tp {ps.get_tensor_model_parallel_rank()}, ep {ps.get_expert_model_parallel_rank()}, "
+              f"etp {ps.get_expert_tensor_parallel_rank()}")
+    return {"coords": coords, "rows": rows, "routed": routed}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--etp", type=int, default=1)
+    p.add_argument("--experts", choices=("sequential", "grouped"), default="sequential")
+    p.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall")
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    args = p.parse_args()
+    from regather.testing.dist import run_ranks
+
+    world = max(args.tp, args.ep * args.etp)
+    res = run_ranks(_rank, world, args, timeout=600)
+    variants = list(VARIANTS)
+    print(f"tiny MoE GPT (2 MoE layers, h=64, 4 experts, moe_ffn=64, top-{args.topk}, {args.experts}, "
+          f"{args.dispatcher}), TP{args.tp}+SP x EP{args.ep} x ETP{args.etp}, s={args.seq}, b={args.micro_batch}, "
+          f"r={args.rank}, {args.dtype}; bytes per rank, one micro-batch")
+    for r in res:
+        print(f"\nrank ({r['coords']}); tokens routed to its local experts: "
+              + "; ".join(f"{n.split('.')[2]}: {t}" for n, t in r["routed"].items()))
+        kinds = list(next(iter(r["rows"].values())))
+        print("| adapter kind | " + " | ".join(variants) + " |")
+        print("|---|" + "---:|" * len(variants))
+        for k in kinds:
+            print(f"| {k} | " + " | ".join(f"{r['rows'][v].get(k, 0):,}" for v in variants) + " |")
+
+
+if __name__ == "__main__":
+    main()
