@@ -81,6 +81,7 @@ class Setup:
     heads: int = 4
     ffn: int = 128
     moe: bool = False
+    experts: str = "sequential"  # MoE: "sequential" (SequentialMLP) or "grouped" (TEGroupedMLP)
     # parallelism and batch
     tp: int = 2
     pp: int = 1
@@ -252,6 +253,8 @@ def recompute_part(setup: Setup, name: str, used: str, producer_input_needs_grad
     recompute is not asked."""
     if not setup.recompute_adapter_inputs:
         return None, None
+    if setup.moe and name in ("linear_fc1", "linear_fc2"):  # the dispatched path decides first
+        return _expert_recompute_part(setup, name, producer_input_needs_grad)
     sp = setup.sp and setup.tp > 1
     if name in COLUMN_PARALLEL and (not sp or used == "gather"):
         path = "gather" if sp else "replicated"
@@ -259,8 +262,6 @@ def recompute_part(setup: Setup, name: str, used: str, producer_input_needs_grad
                       "adapter's input needs regather or lowrank)")
     if name == "linear_proj":
         return None, "linear_proj has no recomputable producer (only linear_qkv, linear_fc1 and linear_fc2 do)"
-    if setup.moe and name in ("linear_fc1", "linear_fc2"):
-        return None, "expert MLP: not predicted by the rules (run with --build, or read regather.decisions)"
     if name == "linear_fc2" and setup.cpu_offloading:
         return None, "CPU activation offloading is on (cpu_offloading=True)"
     modules = list(setup.recompute_modules)
@@ -275,6 +276,29 @@ def recompute_part(setup: Setup, name: str, used: str, producer_input_needs_grad
         if setup.recompute_granularity == "selective" and "layernorm" in modules:
             return None, f"selective recompute covers 'layernorm' (recompute_modules={modules})"
     if not producer_input_needs_grad:
+        return None, f"{producer}: {_NOTHING_KEPT}"
+    return producer, None
+
+
+def _expert_recompute_part(setup: Setup, name: str, needs_grad: bool) -> tuple[Optional[str], Optional[str]]:
+    """An expert adapter's recompute outcome (regather.producers / regather.expert_producers): fc1
+    keeps the dispatched tokens; fc2 rebuilds its input from the experts' activation x probs."""
+    from regather.eligibility import IN_CHECKPOINT, checkpointed_by_config
+    from regather.producers import EXPERT_INPUT_KEPT
+
+    if name == "linear_fc1":
+        return None, EXPERT_INPUT_KEPT
+    modules = list(setup.recompute_modules) if setup.recompute_granularity == "selective" else []
+    if checkpointed_by_config(setup, name) or "moe" in modules:
+        return None, IN_CHECKPOINT
+    if setup.cpu_offloading:
+        return None, "CPU activation offloading is on (cpu_offloading=True)"
+    producer = activation_name(setup)
+    if setup.experts == "grouped":
+        if "moe_act" in modules:
+            return None, "selective recompute covers the experts' activation ('moe_act' in recompute_modules)"
+        producer = producer.replace("the MLP activation", "the grouped experts' activation", 1)
+    if not needs_grad:
         return None, f"{producer}: {_NOTHING_KEPT}"
     return producer, None
 
@@ -497,6 +521,8 @@ def saving_finding(setup: Setup, decisions: Mapping[str, Mapping]) -> Finding:
             f"{per:,} bytes")
     col = [p for p, d in decisions.items() if d.get("recompute") and p.rsplit(".", 1)[-1] in COLUMN_PARALLEL]
     fc2 = [p for p, d in decisions.items() if d.get("recompute") and p.rsplit(".", 1)[-1] == "linear_fc2"]
+    experts = [p for p in fc2 if setup.moe and ".shared_experts." not in p]
+    fc2 = [p for p in fc2 if p not in experts]  # an expert's bytes follow the routing: not counted here
     if setup.recompute_adapter_inputs:
         x_local = _bytes_of(setup, "linear_qkv", "regather")
         fc2_in = _bytes_of(setup, "linear_fc2", "gather")
@@ -504,6 +530,9 @@ def saving_finding(setup: Setup, decisions: Mapping[str, Mapping]) -> Finding:
         kept = sum(1 for d in decisions.values() if d.get("recompute_reason"))
         text += (f" + {len(col)} recomputed qkv/fc1 input(s) x {x_local:,} bytes (x_local) + {len(fc2)} recomputed "
                  f"fc2 input(s) x {fc2_in:,} bytes (s*b*ffn/t*e); {kept} adapter(s) keep their input")
+        if experts:
+            text += (f"; {len(experts)} expert fc2 adapter(s) also recompute their input (tokens routed x "
+                     "moe_ffn/ETP each, not counted here: regather estimate models experts)")
     text = text.replace("{total}", f"{total:,} bytes ({total / 2**30:.3f} GiB)")
     return Finding(
         "saving", "info",
@@ -535,6 +564,8 @@ def register(subparsers) -> None:
     for flag in ("hidden", "layers", "heads", "ffn", "tp", "pp", "seq", "micro-batch", "in-flight", "lora-rank"):
         p.add_argument(f"--{flag}", type=int, default=getattr(d, flag.replace("-", "_")))
     p.add_argument("--moe", action="store_true", help="the MLPs are experts (fc1/fc2 never re-gather)")
+    p.add_argument("--experts", choices=["sequential", "grouped"], default=d.experts,
+                   help="with --moe: SequentialMLP or TEGroupedMLP experts (moe_grouped_gemm)")
     p.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--strategy", default=d.strategy, help="gather | regather | lowrank")
@@ -561,7 +592,7 @@ def register(subparsers) -> None:
 
 
 def setup_from_args(args) -> Setup:
-    return Setup(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, moe=args.moe,
+    return Setup(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, moe=args.moe, experts=args.experts,
                  tp=args.tp, pp=args.pp, sp=args.sp, seq=args.seq, micro_batch=args.micro_batch,
                  in_flight=args.in_flight, dtype=args.dtype, strategy=args.strategy, targets=tuple(args.targets),
                  lora_rank=args.lora_rank, use_nccl_ub=args.use_nccl_ub, cuda_graphs=args.cuda_graphs,

@@ -31,7 +31,10 @@ every strategy and ``-recompute`` variant, frozen and grad-requiring decoder inp
                           norm's input (``input_layernorm`` / ``pre_mlp_layernorm``)
                           requires grad; on the gather path or without SP: kept
   dense linear_fc2        every strategy, when fc1's output requires grad
-  linear_proj, experts    never (no recomputable producer; experts not modelled)
+  expert fc2 (≈)          every strategy, when fc1's output requires grad (the experts'
+                          activation x probs, SequentialMLP or TEGroupedMLP)
+  linear_proj, expert fc1 never (no recomputable producer; the dispatched tokens are
+                          kept by nobody else)
   ======================= ============================================================
 
   A producer keeps a tensor only when its input requires grad (the base weights are
@@ -292,17 +295,28 @@ def adapter_input_bytes(model: Model, run: Run, strategy: str) -> dict:
     for row in adapter_inputs(model, run, strategy):
         for a in row:
             per_target[a.target] = per_target.get(a.target, 0) + a.kept_bytes
-    if model.moe:  # approximate: expert TP 1, balanced routing; experts never recompute (not modelled)
-        s, b, t, e = run.seq, run.micro_batch, run.tp, run.e
-        tokens = s * b * model.topk // t
-        moe = 0
-        if "linear_fc1" in run.targets:
-            moe += tokens * model.hidden * e
-        if "linear_fc2" in run.targets:
-            moe += tokens * model.moe_ffn * e
+    if model.moe:  # approximate: expert TP 1, balanced routing
+        moe = sum(expert_input_bytes(model, run, strategy))
         if moe:
-            per_target["experts≈"] = moe * layers_here(model, run)
+            per_target["experts≈"] = moe
     return {k: v * run.in_flight for k, v in per_target.items()}
+
+
+def expert_input_bytes(model: Model, run: Run, strategy: str) -> list[int]:
+    """Per MoE layer of this GPU, what its expert adapters keep per micro-batch (≈: expert TP 1,
+    balanced routing, ``s*b*k/t`` routed rows per GPU). fc1 keeps the dispatched tokens (nothing
+    else does); fc2's input is rebuilt under recompute from what the experts' activation and
+    the probs multiply keep, when fc1's output requires grad (:mod:`regather.expert_producers`)."""
+    _, recompute = split_strategy(strategy)
+    s, b, t, e = run.seq, run.micro_batch, run.tp, run.e
+    tokens = s * b * model.topk // t
+    out = []
+    for need_grad in _needs_grad(model, run):
+        kept = tokens * model.hidden * e if "linear_fc1" in run.targets else 0
+        if "linear_fc2" in run.targets and not (recompute and need_grad["linear_fc2"]):
+            kept += tokens * model.moe_ffn * e
+        out.append(kept)
+    return out
 
 
 def recompute_summary(model: Model, run: Run, strategy: str) -> dict:
@@ -316,7 +330,21 @@ def recompute_summary(model: Model, run: Run, strategy: str) -> dict:
             elif a.kept_because:
                 key = f"{a.target}: {a.kept_because}"
                 kept[key] = kept.get(key, 0) + 1
-    return {"recomputed_by_target": {t: recomputed[t] for t in ALL_TARGETS if t in recomputed},
+    if model.moe:  # each MoE layer's expert fc1 / fc2 adapters, as expert_input_bytes models them
+        from regather.producers import EXPERT_INPUT_KEPT
+
+        for need_grad in _needs_grad(model, run):
+            if "linear_fc2" in run.targets:
+                if need_grad["linear_fc2"]:
+                    recomputed["experts.linear_fc2"] = recomputed.get("experts.linear_fc2", 0) + 1
+                else:
+                    key = f"experts.linear_fc2: the experts' activation: {_NOTHING_KEPT}"
+                    kept[key] = kept.get(key, 0) + 1
+            if "linear_fc1" in run.targets:
+                key = f"experts.linear_fc1: {EXPERT_INPUT_KEPT}"
+                kept[key] = kept.get(key, 0) + 1
+    order = ALL_TARGETS + ("experts.linear_fc2",)
+    return {"recomputed_by_target": {t: recomputed[t] for t in order if t in recomputed},
             "kept_by_reason": kept}
 
 

@@ -16,6 +16,9 @@ TE ``linear_qkv`` /     the base itself               its pre-norm input, which 
 ``linear_fc2``          megatron ``MLP``'s activation ``linear_fc1``'s output (the         MLP's activation code,
                         between ``linear_fc1`` and    activation's input, which the       gated or not, fused
                         ``linear_fc2``                activation keeps)                   or not (mirrored)
+expert ``linear_fc2``   an expert ``MLP``'s           the same, and the routing probs     the same, times the
+(``SequentialMLP``)     activation times its          (``per_token_scale``) that the      probs, cast back (or
+                        ``per_token_scale``           multiply (weighted SwiGLU) keeps    the weighted SwiGLU)
 ======================= ============================= =================================== ========================
 
 The pairing comes from the model's structure (module classes and which module holds which;
@@ -34,8 +37,8 @@ anything is saved:
   we are about to save — so saving it adds no bytes. A norm whose input and weights need no
   gradient (layer 0 with frozen embeddings) saves nothing, and then recompute would keep a
   tensor alive that nobody else keeps: the input is kept instead, with that reason;
-- activation recompute or CPU offload covering the producer, a per-token scale, an fp8 input
-  store: refused with the reason.
+- activation recompute or CPU offload covering the producer, an fp8 input store: refused with
+  the reason.
 
 What cannot be established is never guessed: :meth:`capture` returns a reason and the adapter
 keeps its input as before (``regather.decisions`` shows it). The first recompute of every
@@ -53,6 +56,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from regather import te
 
@@ -74,11 +78,18 @@ class Meta:
     an autograd node saved, without holding the tensor (autograd keeps its storage, not the
     Python object)."""
 
-    __slots__ = ("storage", "shape", "stride", "offset", "dtype")
+    __slots__ = ("storage", "shape", "stride", "offset", "dtype", "_ref")
 
     def __init__(self, t: torch.Tensor):
         self.storage, self.dtype = _storage(t), t.dtype
         self.shape, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+        self._ref = StorageWeakRef(t.untyped_storage())
+
+    def alive(self) -> bool:
+        """The storage still exists. Once it is freed (nothing saved it: an unfused bias add
+        consumed fc1's output), a tensor allocated later at the same address is another storage,
+        not an alias: the address alone would match it."""
+        return not self._ref.expired()
 
     def rebuild(self, alias: torch.Tensor) -> torch.Tensor:
         """The tensor itself, as a view of ``alias`` (a saved tensor on the same storage)."""
@@ -103,15 +114,22 @@ def _saved_tensors(node) -> list:
     return out
 
 
-def kept_between(output: torch.Tensor, meta: Meta, stop, limit: int = 32, pick=None) -> Union[torch.Tensor, str]:
+def kept_between(output: torch.Tensor, meta: Meta, stop, limit: int = 32, pick=None,
+                 extra: Optional[tuple] = None) -> Union[torch.Tensor, tuple, str]:
     """The tensor described by ``meta``, rebuilt from one the autograd graph of ``output``
     saved, when ``output`` is computed from it alone (graph nodes down to ``stop`` — its own
     node — and parameters); otherwise what fails, as a sentence. ``pick(saved)`` may choose
-    another saved tensor instead (returning it, or None)."""
+    another saved tensor instead (returning it, or None).
+
+    ``extra=(meta, node)`` names a second input ``output`` is computed from (an expert MLP's
+    per-token scale, ``node`` its ``grad_fn`` or None): the walk stops at ``node`` as well, the
+    tensor must be among the saved ones too, and both come back as ``(tensor, extra tensor)``."""
     root = output.grad_fn
     if root is None:
         return "it keeps nothing for its backward (neither its input nor its weights need a gradient)"
+    extra_meta, extra_stop = extra if extra is not None else (None, None)
     seen, frontier, alias, reached = set(), [root], None, stop is None
+    extra_alias = None
     while frontier:
         node = frontier.pop()
         if node is None or id(node) in seen:
@@ -120,25 +138,40 @@ def kept_between(output: torch.Tensor, meta: Meta, stop, limit: int = 32, pick=N
         if node is stop:
             reached = True
             continue
+        if extra_stop is not None and node is extra_stop:
+            continue
         if type(node).__name__ == "AccumulateGrad":  # a trainable leaf: a parameter of the producer
             continue
         if len(seen) > limit:
             return f"its autograd graph is larger than {limit} nodes (not an elementwise producer)"
-        if alias is None:
+        if alias is None or (extra_meta is not None and extra_alias is None):
             try:
                 saved = _saved_tensors(node)
             except RuntimeError as exc:  # e.g. modified in place since it was saved
                 return f"its saved tensors cannot be read ({exc})"
-            alias = next((meta.rebuild(t) for t in saved if _storage(t) == meta.storage and t.dtype == meta.dtype),
-                         None)
-            if alias is None and pick is not None:
-                alias = pick(saved)
+            if alias is None:
+                alias = _find(saved, meta)
+                if alias is None and pick is not None:
+                    alias = pick(saved)
+            if extra_meta is not None and extra_alias is None:
+                extra_alias = _find(saved, extra_meta)
         frontier.extend(fn for fn, _ in node.next_functions)
     if not reached:
         return "the adapter input does not come from it alone"
     if alias is None:
         return "it does not keep the tensor it would be recomputed from (saving that would add bytes)"
-    return alias
+    if extra_meta is None:
+        return alias
+    if extra_alias is None:
+        return "it does not keep the per-token scale (saving that would add bytes)"
+    return alias, extra_alias
+
+
+def _find(saved: list, meta: Meta) -> Optional[torch.Tensor]:
+    """``meta``'s tensor, as a view of a saved tensor on its storage (same dtype), or None."""
+    if not meta.alive():
+        return None
+    return next((meta.rebuild(t) for t in saved if _storage(t) == meta.storage and t.dtype == meta.dtype), None)
 
 
 def _same_tensor(x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -266,7 +299,7 @@ class ActivationProducer:
         self.name = (f"the MLP activation ({getattr(fn, '__name__', type(fn).__name__)}"
                      f"{', gated' if gated else ''}{', fused' if fused else ''})")
         self._clear()
-        self._scaled = False
+        self._scale = None  # weakly: this forward's per_token_scale (experts: the routing probs)
         mlp.linear_fc1.register_forward_hook(self._seen)
         mlp.register_forward_pre_hook(self._call, with_kwargs=True)
         # what MLP.forward hands linear_fc2 (the activation's output), before any other pre-hook
@@ -286,7 +319,7 @@ class ActivationProducer:
 
     def _call(self, module, args, kwargs):
         scale = kwargs.get("per_token_scale", args[1] if len(args) > 1 else None)
-        self._scaled = scale is not None
+        self._scale = weakref.ref(scale) if isinstance(scale, torch.Tensor) else None
 
     def _seen(self, module, args, result):
         out, bias = result if isinstance(result, tuple) else (result, None)
@@ -315,8 +348,9 @@ class ActivationProducer:
         why = reason_now(self)
         if why is not None:
             return why
-        if self._scaled:
-            return "the MLP was called with a per-token scale"
+        scale = self._scale() if self._scale is not None else None
+        if self._scale is not None and scale is None:
+            return "the MLP's per-token scale is gone before linear_fc2 ran"
         if meta is None:
             return "linear_fc1 did not run in this forward"
         if act is None or not _same_tensor(x, act):
@@ -336,13 +370,18 @@ class ActivationProducer:
                     return found
             return None
 
-        found = kept_between(x, meta, stop, pick=pick)
+        # an expert MLP scales the activation by the routing probs (``per_token_scale.unsqueeze(-1)``):
+        # the multiply (or megatron's fused weighted SwiGLU) keeps that view of the probs
+        extra = None if scale is None else (Meta(scale.unsqueeze(-1)), scale.grad_fn)
+        found = kept_between(x, meta, stop, pick=pick, extra=extra)
         if isinstance(found, str):
             return f"{self.name}: {found}"
-        return (found, None) if biased else (found, bias)  # the bias is in ``found`` already
+        found, weights = found if extra is not None else (found, None)
+        return (found, None if biased else bias, weights)  # with a bias in ``found``, none apart
 
-    def recompute(self, out: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return mlp_activation(self.mlp, out, bias)
+    def recompute(self, out: torch.Tensor, bias: Optional[torch.Tensor],
+                  scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return mlp_activation(self.mlp, out, bias, scale)
 
 
 def _biased_sum(t: torch.Tensor, meta: Meta, stop) -> Optional[torch.Tensor]:
@@ -365,11 +404,28 @@ def _biased_sum(t: torch.Tensor, meta: Meta, stop) -> Optional[torch.Tensor]:
     return t.detach()
 
 
-def mlp_activation(mlp: nn.Module, intermediate: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The activation block of megatron-core's ``MLP.forward`` (0.16.1 – 0.19.x, no per-token
-    scale), on the same functions that module imported, so the result is bit-identical."""
+def mlp_activation(mlp: nn.Module, intermediate: torch.Tensor, bias: Optional[torch.Tensor],
+                   scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The activation block of megatron-core's ``MLP.forward`` (0.16.1 – 0.19.x), on the same
+    functions that module imported, so the result is bit-identical. ``scale`` is an expert's
+    ``per_token_scale.unsqueeze(-1)`` (``[n, 1]``, the routing probs), applied as megatron does:
+    after the activation in the probs' precision, cast back; fused into megatron's weighted
+    SwiGLU / quick-GeGLU under ``bias_activation_fusion``."""
     cfg, fn = mlp.config, mlp.activation_func
     mod = sys.modules[type(mlp).forward.__module__]
+    if scale is not None and cfg.bias_activation_fusion and not cfg.use_te_activation_func:
+        if fn is F.silu and cfg.gated_linear_unit:
+            return mod.weighted_bias_swiglu_impl(intermediate, bias, scale, cfg.activation_func_fp8_input_store)
+        return mod.weighted_bias_quick_geglu_impl(intermediate, bias, scale, cfg.activation_func_fp8_input_store,
+                                                  cfg.glu_linear_offset, cfg.activation_func_clamp_value)
+    out = _activation(cfg, fn, mod, intermediate, bias)
+    if scale is None:
+        return out
+    return (out * scale).to(out.dtype)
+
+
+def _activation(cfg, fn, mod, intermediate: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The unscaled activation of :func:`mlp_activation`."""
     if cfg.use_te_activation_func:
         if bias is not None:
             intermediate = intermediate + bias
@@ -411,6 +467,15 @@ def _own_forward(module: nn.Module, cls: type) -> bool:
     return isinstance(module, cls) and type(module).forward is cls.forward
 
 
+def _grouped_experts(module: nn.Module):
+    """``module`` if it is megatron's ``TEGroupedMLP`` running its own forward, else None."""
+    try:
+        from megatron.core.transformer.moe.experts import TEGroupedMLP
+    except ImportError:  # pragma: no cover - every pinned megatron-core has it
+        return None
+    return module if _own_forward(module, TEGroupedMLP) else None
+
+
 def _is_norm(module: nn.Module) -> bool:
     return type(module).__name__ in _NORM_CLASSES
 
@@ -431,6 +496,12 @@ def find_producer(model: nn.Module, path: str, wrapper: nn.Module):
     elif name == "linear_fc1":
         owner, norm_attr, holder = MLP, "pre_mlp_layernorm", "mlp"
     elif name == "linear_fc2":
+        grouped = _grouped_experts(parent)
+        if grouped is not None:
+            from regather.expert_producers import GroupedActivationProducer
+
+            producer = GroupedActivationProducer(parent)
+            return producer.static_reason() or producer
         if not _own_forward(parent, MLP):
             return f"{name}'s parent is a {type(parent).__name__}, not megatron's MLP running its own forward"
         producer = ActivationProducer(parent)

@@ -217,3 +217,32 @@ def test_built_selective_mlp_recompute_marks_what_came_from_the_rules():
     for path, d in built.items():
         d.pop("recompute_reason_from_rules", None)
     assert built == doctor.analytic_decisions(s)
+
+
+def test_moe_recompute_rules_expert_fc1_kept_fc2_rebuilt():
+    """Issue 16: an expert fc1 keeps the dispatched tokens, an expert fc2 rebuilds act x probs
+    (SequentialMLP's expert MLP, or TEGroupedMLP's activation); the MoE runs in tests/distributed/
+    test_moe.py check these sentences against the adapters' own decisions."""
+    from regather.eligibility import IN_CHECKPOINT
+    from regather.producers import EXPERT_INPUT_KEPT
+
+    seq = doctor.analytic_decisions(Setup(moe=True, recompute_adapter_inputs=True))
+    grouped = doctor.analytic_decisions(Setup(moe=True, experts="grouped", recompute_adapter_inputs=True,
+                                              activation="swiglu"))
+    for layer in (0, 1):
+        for d in (seq, grouped):
+            assert d[f"decoder.layers.{layer}.mlp.linear_fc1"]["recompute_reason"] == EXPERT_INPUT_KEPT
+        assert seq[f"decoder.layers.{layer}.mlp.linear_fc2"]["recompute"] == "the MLP activation (gelu)"
+        assert grouped[f"decoder.layers.{layer}.mlp.linear_fc2"]["recompute"] == \
+            "the grouped experts' activation (silu, gated)"
+    act = doctor.analytic_decisions(Setup(moe=True, experts="grouped", recompute_adapter_inputs=True,
+                                          recompute_granularity="selective", recompute_modules=("moe_act",)))
+    assert "'moe_act' in recompute_modules" in act["decoder.layers.0.mlp.linear_fc2"]["recompute_reason"]
+    moe = doctor.analytic_decisions(Setup(moe=True, recompute_adapter_inputs=True,
+                                          recompute_granularity="selective", recompute_modules=("moe",)))
+    assert moe["decoder.layers.1.mlp.linear_fc2"]["recompute_reason"] == IN_CHECKPOINT
+    only_fc2 = doctor.analytic_decisions(Setup(moe=True, recompute_adapter_inputs=True, targets=("linear_fc2",)))
+    assert "keeps nothing" in only_fc2["decoder.layers.0.mlp.linear_fc2"]["recompute_reason"]
+    assert only_fc2["decoder.layers.1.mlp.linear_fc2"]["recompute"] == "the MLP activation (gelu)"
+    line = str(doctor.saving_finding(Setup(moe=True, recompute_adapter_inputs=True), seq))
+    assert "2 expert fc2 adapter(s) also recompute their input" in line

@@ -55,6 +55,28 @@ def test_moe_experts_never_regather():
     assert m.attn_width == 4096  # head_dim 128 x 32 heads: proj input wider than h
 
 
+def test_moe_recompute_rebuilds_every_expert_fc2_input():
+    """Issue 16, expert fc2: its input (act x probs) is rebuilt from what the activation and the probs
+    multiply keep; fc1 keeps the dispatched tokens. Qwen3-30B-A3B TP4, seq 8192, bf16, top-8:
+    s*b*k/t = 16384 routed rows per GPU and layer, fc2 input 768 wide, fc1 input 2048 wide."""
+    m = PRESETS["qwen3-30b-a3b"]
+    res = estimate(m, Run(tp=4, seq=S), ["gather", "regather", "regather-recompute"])
+    rows = S * 8 // 4
+    assert res["gather"]["adapter_input_bytes_experts_approx"] == 48 * rows * (2048 + 768) * 2
+    rc = res["regather-recompute"]
+    assert rc["adapter_input_bytes_experts_approx"] == 48 * rows * 2048 * 2  # fc1 only
+    assert rc["recomputed_by_target"]["experts.linear_fc2"] == 48
+    assert rc["kept_by_reason"]["experts.linear_fc1: expert linear_fc1: its input is the dispatched tokens, "
+                                "which no op of the MoE layer keeps"] == 48
+    expert_saving = 48 * rows * 768 * 2
+    dense_saving = res["regather"]["saved_vs_gather"] + 47 * S * 2048 * 2 // 4  # qkv x_local, layer 0 keeps it
+    assert rc["saved_vs_gather"] == dense_saving + expert_saving == 2_810_183_680
+    # without fc1 and everything before it trainable, layer 0's fc1 output needs no grad: kept there
+    only = estimate(m, Run(tp=4, seq=S, targets=("linear_fc2",)), ["regather-recompute"])["regather-recompute"]
+    assert only["recomputed_by_target"] == {"experts.linear_fc2": 47}
+    assert only["adapter_input_bytes_experts_approx"] == rows * 768 * 2
+
+
 def test_in_flight_and_pipeline_scale_the_bytes():
     one = adapter_input_bytes(QWEN3_8B, Run(), "regather")
     more = adapter_input_bytes(QWEN3_8B, Run(in_flight=3, pp=4), "regather")
