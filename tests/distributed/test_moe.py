@@ -52,6 +52,7 @@ CASES = {
     "mixed_shared_expert_gated": Case(  # MoE layer 0 with a shared expert, dense layer 1, SwiGLU fused
         ep=2, etp=1, shape=TinyMoE(shared_expert_size=32, moe_layer_freq=2, gated=True), variants=FEW,
         model=(("bias_activation_fusion", True),)),  # experts: megatron's weighted SwiGLU
+    "interleaved": Case(ep=2, etp=1, schedule="interleaved", variants=("gather", "regather-rc")),
     "bf16_seq_tp2_ep2_top1": Case(ep=2, etp=1, dtype="bfloat16", shape=TinyMoE(topk=1), model=TOP1,
                                   variants=("gather", "regather", "regather-rc", "lowrank")),
     # 4 ranks

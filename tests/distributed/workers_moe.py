@@ -52,6 +52,13 @@ class Case:
     lr: float = 0.05
     dim: int = 8
     model: tuple = ()  # megatron TransformerConfig overrides, as (name, value) pairs
+    # "step": forward + backward per step; "interleaved": two micro-batches per step, both forwards
+    # first (the dispatcher and the producers overwrite their per-forward state in between), then
+    # the backwards in reverse order: each recomputed input is rebuilt from its own forward's tensors.
+    # (Not retain_graph: megatron's vocab-parallel cross entropy modifies its saved softmax in its
+    # backward, so no loss of this model backpropagates twice; tests/distributed/test_recompute.py's
+    # retain_graph setup reads the same recompute sources twice.)
+    schedule: str = "step"
 
     @property
     def world(self) -> int:
@@ -93,17 +100,39 @@ def build(case: Case, variant: str, init_parallel: bool = True, wrap=None):
 
 
 def batches(case: Case):
-    """This DP rank's rows of each step's global batch."""
+    """This DP rank's rows of each step's global batch (a list of micro-batches per step)."""
     from megatron.core import parallel_state as ps
 
     from regather.testing.models import gpt_batch
 
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per = case.batch // dp
+    n = 2 if case.schedule == "interleaved" else 1
     for step in range(case.steps):
-        tokens, labels, pos, mask = gpt_batch(case.shape, case.batch, seed=step)
-        rows = slice(rank * per, (rank + 1) * per)
-        yield tokens[rows], labels[rows], pos[rows], mask
+        step_batches = []
+        for m in range(n):
+            tokens, labels, pos, mask = gpt_batch(case.shape, case.batch, seed=step * n + m)
+            rows = slice(rank * per, (rank + 1) * per)
+            step_batches.append((tokens[rows], labels[rows], pos[rows], mask))
+        yield step_batches
+
+
+def _step(model, micro_batches: list, first=None):
+    """One step's forwards and backwards; ``first``: a context around the first forward (the
+    counting). Returns the loss (the micro-batches' mean)."""
+    import contextlib
+
+    from regather.testing.models import gpt_loss
+
+    with first if first is not None else contextlib.nullcontext():
+        losses = [gpt_loss(model, micro_batches[0])]
+        if len(micro_batches) == 1:
+            losses[0].backward()
+            return losses[0]
+    losses += [gpt_loss(model, mb) for mb in micro_batches[1:]]
+    for loss in reversed(losses):
+        loss.backward()
+    return sum(losses) / len(losses)
 
 
 def reduce_like_ddp(params: dict) -> None:
@@ -150,9 +179,8 @@ def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> di
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from regather.accounting import ADAPTER_INPUT, CollectiveBytes
+    from regather.accounting import ADAPTER_INPUT
     from regather.lora import adapters, decisions
-    from regather.testing.models import gpt_loss
     from regather.testing.train import AdapterSavedBytes
 
     logs = _Records()
@@ -166,18 +194,15 @@ def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> di
         routed: dict = {}
         handles = _tokens_per_expert(model, routed)
         out = {"loss": [], "before": {p: str(d) for p, d in decisions(model).items()}}
-        for step, batch in enumerate(batches(case)):
+        for step, micro_batches in enumerate(batches(case)):
             opt.zero_grad(set_to_none=True)
             if step == 0:
-                with CollectiveBytes() as comm, AdapterSavedBytes(model) as saved:
-                    loss = gpt_loss(model, batch)
-                    loss.backward()
+                saved = AdapterSavedBytes(model)
+                loss = _step(model, micro_batches, first=saved)
                 out["saved_total"], out["saved_adapter_input"] = saved.total, saved.of(ADAPTER_INPUT)
                 out["saved_by_adapter"] = dict(saved.by_adapter)
-                out["comm"] = comm.snapshot()
             else:
-                loss = gpt_loss(model, batch)
-                loss.backward()
+                loss = _step(model, micro_batches)
             reduce_like_ddp(named)
             if step == 0:
                 out["first_grads"] = layout.scatter({n: p.grad.detach().float().clone() for n, p in named.items()})
