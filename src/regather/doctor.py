@@ -284,6 +284,7 @@ def _expert_recompute_part(setup: Setup, name: str, needs_grad: bool) -> tuple[O
     """An expert adapter's recompute outcome (regather.producers / regather.expert_producers): fc1
     keeps the dispatched tokens; fc2 rebuilds its input from the experts' activation x probs."""
     from regather.eligibility import IN_CHECKPOINT, checkpointed_by_config
+    from regather.expert_producers import MOE_ACT_RECOMPUTED, grouped_name
     from regather.producers import EXPERT_INPUT_KEPT
 
     if name == "linear_fc1":
@@ -296,8 +297,8 @@ def _expert_recompute_part(setup: Setup, name: str, needs_grad: bool) -> tuple[O
     producer = activation_name(setup)
     if setup.experts == "grouped":
         if "moe_act" in modules:
-            return None, "selective recompute covers the experts' activation ('moe_act' in recompute_modules)"
-        producer = producer.replace("the MLP activation", "the grouped experts' activation", 1)
+            return None, MOE_ACT_RECOMPUTED
+        producer = grouped_name(producer)
     if not needs_grad:
         return None, f"{producer}: {_NOTHING_KEPT}"
     return producer, None
@@ -592,7 +593,8 @@ def register(subparsers) -> None:
 
 
 def setup_from_args(args) -> Setup:
-    return Setup(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, moe=args.moe, experts=args.experts,
+    return Setup(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, moe=args.moe,
+                 experts=args.experts,
                  tp=args.tp, pp=args.pp, sp=args.sp, seq=args.seq, micro_batch=args.micro_batch,
                  in_flight=args.in_flight, dtype=args.dtype, strategy=args.strategy, targets=tuple(args.targets),
                  lora_rank=args.lora_rank, use_nccl_ub=args.use_nccl_ub, cuda_graphs=args.cuda_graphs,

@@ -296,52 +296,53 @@ def adapter_input_bytes(model: Model, run: Run, strategy: str) -> dict:
         for a in row:
             per_target[a.target] = per_target.get(a.target, 0) + a.kept_bytes
     if model.moe:  # approximate: expert TP 1, balanced routing
-        moe = sum(expert_input_bytes(model, run, strategy))
+        moe = sum(a.kept_bytes for row in expert_inputs(model, run, strategy) for a in row)
         if moe:
             per_target["experts≈"] = moe
     return {k: v * run.in_flight for k, v in per_target.items()}
 
 
-def expert_input_bytes(model: Model, run: Run, strategy: str) -> list[int]:
-    """Per MoE layer of this GPU, what its expert adapters keep per micro-batch (≈: expert TP 1,
-    balanced routing, ``s*b*k/t`` routed rows per GPU). fc1 keeps the dispatched tokens (nothing
-    else does); fc2's input is rebuilt under recompute from what the experts' activation and
-    the probs multiply keep, when fc1's output requires grad (:mod:`regather.expert_producers`)."""
+def expert_inputs(model: Model, run: Run, strategy: str) -> list[list[AdapterInput]]:
+    """Per MoE layer of this GPU, its expert adapters' inputs per micro-batch (≈: expert TP 1,
+    balanced routing, ``s*b*k/t`` routed rows per GPU), as :func:`adapter_inputs` gives the dense
+    ones. fc1 keeps the dispatched tokens (nothing else does); under recompute fc2's input is
+    rebuilt from what the experts' activation and the probs multiply keep, when fc1's output
+    requires grad (:mod:`regather.expert_producers`)."""
+    from regather.producers import EXPERT_INPUT_KEPT
+
     _, recompute = split_strategy(strategy)
     s, b, t, e = run.seq, run.micro_batch, run.tp, run.e
     tokens = s * b * model.topk // t
-    out = []
+    layers = []
     for need_grad in _needs_grad(model, run):
-        kept = tokens * model.hidden * e if "linear_fc1" in run.targets else 0
-        if "linear_fc2" in run.targets and not (recompute and need_grad["linear_fc2"]):
-            kept += tokens * model.moe_ffn * e
-        out.append(kept)
-    return out
+        row = []
+        if "linear_fc1" in run.targets:
+            row.append(AdapterInput("experts.linear_fc1", tokens * model.hidden * e,
+                                    kept_because=EXPERT_INPUT_KEPT if recompute else None))
+        if "linear_fc2" in run.targets:
+            kept = tokens * model.moe_ffn * e
+            if not recompute:
+                row.append(AdapterInput("experts.linear_fc2", kept))
+            elif not need_grad["linear_fc2"]:
+                row.append(AdapterInput("experts.linear_fc2", kept,
+                                        kept_because=f"the experts' activation: {_NOTHING_KEPT}"))
+            else:
+                row.append(AdapterInput("experts.linear_fc2", 0, recomputed_from="the experts' activation"))
+        layers.append(row)
+    return layers
 
 
 def recompute_summary(model: Model, run: Run, strategy: str) -> dict:
     """How many adapters recompute their input, by target, and why the others keep it."""
     recomputed: dict[str, int] = {}
     kept: dict[str, int] = {}
-    for layer, row in enumerate(adapter_inputs(model, run, strategy)):
+    rows = adapter_inputs(model, run, strategy) + (expert_inputs(model, run, strategy) if model.moe else [])
+    for row in rows:
         for a in row:
             if a.recomputed_from:
                 recomputed[a.target] = recomputed.get(a.target, 0) + 1
             elif a.kept_because:
                 key = f"{a.target}: {a.kept_because}"
-                kept[key] = kept.get(key, 0) + 1
-    if model.moe:  # each MoE layer's expert fc1 / fc2 adapters, as expert_input_bytes models them
-        from regather.producers import EXPERT_INPUT_KEPT
-
-        for need_grad in _needs_grad(model, run):
-            if "linear_fc2" in run.targets:
-                if need_grad["linear_fc2"]:
-                    recomputed["experts.linear_fc2"] = recomputed.get("experts.linear_fc2", 0) + 1
-                else:
-                    key = f"experts.linear_fc2: the experts' activation: {_NOTHING_KEPT}"
-                    kept[key] = kept.get(key, 0) + 1
-            if "linear_fc1" in run.targets:
-                key = f"experts.linear_fc1: {EXPERT_INPUT_KEPT}"
                 kept[key] = kept.get(key, 0) + 1
     order = ALL_TARGETS + ("experts.linear_fc2",)
     return {"recomputed_by_target": {t: recomputed[t] for t in order if t in recomputed},

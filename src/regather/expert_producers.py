@@ -33,10 +33,17 @@ import weakref
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from regather.producers import ActivationProducer, _activation
+from regather.producers import ActivationProducer, scaled_activation
+
+
+MOE_ACT_RECOMPUTED = "selective recompute covers the experts' activation ('moe_act' in recompute_modules)"
+
+
+def grouped_name(mlp_name: str) -> str:
+    """The producer name of the grouped experts' activation, from the MLP activation's."""
+    return mlp_name.replace("the MLP activation", "the grouped experts' activation", 1)
 
 
 class GroupedActivationProducer(ActivationProducer):
@@ -44,7 +51,7 @@ class GroupedActivationProducer(ActivationProducer):
 
     def __init__(self, experts: nn.Module):
         super().__init__(experts)
-        self.name = self.name.replace("the MLP activation", "the grouped experts' activation", 1)
+        self.name = grouped_name(self.name)
 
     def _call(self, module, args, kwargs):
         probs = kwargs.get("permuted_probs", args[2] if len(args) > 2 else None)
@@ -53,7 +60,7 @@ class GroupedActivationProducer(ActivationProducer):
     def static_reason(self) -> Optional[str]:
         experts, cfg = self.mlp, self.config
         if getattr(experts, "activation_recompute", False):
-            return "selective recompute covers the experts' activation ('moe_act' in recompute_modules)"
+            return MOE_ACT_RECOMPUTED
         if getattr(experts, "offload_moe_act", False):
             return "the experts' activation is offloaded (fine-grained activation offloading of 'moe_act')"
         if getattr(experts, "_with_fused_impl", False):
@@ -77,15 +84,8 @@ def grouped_activation(experts: nn.Module, intermediate: torch.Tensor, bias: Opt
     interleaving): ``probs`` is ``permuted_probs.unsqueeze(-1)``."""
     cfg, fn = experts.config, experts.activation_func
     mod = sys.modules[type(experts).forward.__module__]
-    if cfg.use_te_activation_func:
-        out = _activation(cfg, fn, mod, intermediate, bias)
-        return (out * probs).to(out.dtype)
-    if cfg.bias_activation_fusion:
-        if fn is F.silu and cfg.gated_linear_unit:
-            return mod.weighted_bias_swiglu_impl(intermediate, bias, probs, cfg.activation_func_fp8_input_store)
-        return mod.weighted_bias_quick_geglu_impl(intermediate, bias, probs, cfg.activation_func_fp8_input_store,
-                                                  cfg.glu_linear_offset, cfg.activation_func_clamp_value)
-    if fn is getattr(mod, "squared_relu", None) and getattr(cfg, "use_fused_weighted_squared_relu", False):
-        return mod.weighted_squared_relu_impl(intermediate, probs)
-    out = _activation(cfg, fn, mod, intermediate, None)  # megatron's unfused branch adds no bias here
-    return (out * probs).to(out.dtype)
+    if not (cfg.use_te_activation_func or cfg.bias_activation_fusion):
+        if fn is getattr(mod, "squared_relu", None) and getattr(cfg, "use_fused_weighted_squared_relu", False):
+            return mod.weighted_squared_relu_impl(intermediate, probs)
+        bias = None  # megatron's unfused branch adds no bias before the activation
+    return scaled_activation(cfg, fn, mod, intermediate, bias, probs)

@@ -413,14 +413,23 @@ def mlp_activation(mlp: nn.Module, intermediate: torch.Tensor, bias: Optional[to
     SwiGLU / quick-GeGLU under ``bias_activation_fusion``."""
     cfg, fn = mlp.config, mlp.activation_func
     mod = sys.modules[type(mlp).forward.__module__]
-    if scale is not None and cfg.bias_activation_fusion and not cfg.use_te_activation_func:
+    if scale is None:
+        return _activation(cfg, fn, mod, intermediate, bias)
+    return scaled_activation(cfg, fn, mod, intermediate, bias, scale)
+
+
+def scaled_activation(cfg, fn, mod, intermediate: torch.Tensor, bias: Optional[torch.Tensor],
+                      scale: torch.Tensor) -> torch.Tensor:
+    """The activation times an expert's probs view ``scale`` (``[n, 1]``), as megatron's ``MLP``
+    and ``TEGroupedMLP`` apply it (``mod``: the module whose functions they call): megatron's
+    weighted SwiGLU / quick-GeGLU under ``bias_activation_fusion``, else after the activation in
+    the probs' precision, cast back."""
+    if cfg.bias_activation_fusion and not cfg.use_te_activation_func:
         if fn is F.silu and cfg.gated_linear_unit:
             return mod.weighted_bias_swiglu_impl(intermediate, bias, scale, cfg.activation_func_fp8_input_store)
         return mod.weighted_bias_quick_geglu_impl(intermediate, bias, scale, cfg.activation_func_fp8_input_store,
                                                   cfg.glu_linear_offset, cfg.activation_func_clamp_value)
     out = _activation(cfg, fn, mod, intermediate, bias)
-    if scale is None:
-        return out
     return (out * scale).to(out.dtype)
 
 
@@ -467,13 +476,11 @@ def _own_forward(module: nn.Module, cls: type) -> bool:
     return isinstance(module, cls) and type(module).forward is cls.forward
 
 
-def _grouped_experts(module: nn.Module):
-    """``module`` if it is megatron's ``TEGroupedMLP`` running its own forward, else None."""
-    try:
-        from megatron.core.transformer.moe.experts import TEGroupedMLP
-    except ImportError:  # pragma: no cover - every pinned megatron-core has it
-        return None
-    return module if _own_forward(module, TEGroupedMLP) else None
+def _is_grouped_experts(module: nn.Module) -> bool:
+    """``module`` is megatron's ``TEGroupedMLP`` running its own forward."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    return _own_forward(module, TEGroupedMLP)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -496,8 +503,7 @@ def find_producer(model: nn.Module, path: str, wrapper: nn.Module):
     elif name == "linear_fc1":
         owner, norm_attr, holder = MLP, "pre_mlp_layernorm", "mlp"
     elif name == "linear_fc2":
-        grouped = _grouped_experts(parent)
-        if grouped is not None:
+        if _is_grouped_experts(parent):
             from regather.expert_producers import GroupedActivationProducer
 
             producer = GroupedActivationProducer(parent)
