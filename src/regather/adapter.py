@@ -64,6 +64,7 @@ from regather.strategies.lowrank import (
     shard_rows,
 )
 from regather.strategies.paths import PathArgs, lookup
+from regather.strategies.predispatched import PREDISPATCHED
 from regather.strategies.regather import RegatherSlot, anchor, new_slot
 from regather.strategies.saved_input import KEEP, Recomputed
 from regather.strategies.shared_gather import SharedGather
@@ -388,9 +389,10 @@ class ParallelLinearAdapter(nn.Module):
     def _recompute_unsupported(self, decision: Decision, state: RunState) -> Optional[str]:
         path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel,
                       explicit_comm=self.dispatched)
-        if path.name == "dispatched":
-            return EXPERT_INPUT_KEPT
-        if not path.recomputes:
+        if path.name == "dispatched" and (self.producer is None or not self.facts.is_expert):
+            # expert fc1: from the router's input (regather.expert_inputs), when a producer was found
+            return (self.producer_reason if self.facts.is_expert else None) or EXPERT_INPUT_KEPT
+        if not path.recomputes and path.name != "dispatched":
             return (f"the {path.name} path keeps its input as it is (recompute of a column-parallel "
                     f"adapter's input needs regather or lowrank)")
         if state.in_recompute:
@@ -413,6 +415,8 @@ class ParallelLinearAdapter(nn.Module):
             self._log_recompute(decision)
             return KEEP
         captured = self.producer.capture(x)
+        if not isinstance(captured, (str, tuple)):  # a ready source: expert inputs, verified per MoE layer
+            return captured
         if not isinstance(captured, str) and not self._recompute_verified:
             captured = self._verify_recompute(x, captured)
         if isinstance(captured, str):
@@ -540,20 +544,26 @@ class ParallelLinearAdapter(nn.Module):
         explicit = self.dispatched
         path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel,
                       shared=x_full is not None, gathered=input_gathered, explicit_comm=explicit)
+        # a shared expert LoRA-A on the MoE layer's input, its output sent along the tokens' route:
+        # mid arrives complete over expert TP (the route gathers it and sums dmid)
+        predispatched = source.name == PREDISPATCHED.name
+        if predispatched:
+            path = PREDISPATCHED
         splits = self._splits(x, m_splits)
         args = PathArgs(group=group, fuse=fuse, pool=self.pool or default_pool(), slot=slot, source=source,
                         x_full=x_full, reduce_dA=self.lowrank_reduce_in_backward, share=plan.share, splits=splits)
         # what LoRA-A saves is counted apart, per base layer (accounting.SavedBytes.of)
         with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.facts.base_name}"):
             mid = path(x, a, args)
-        if self.column_parallel and not lowrank:  # lowrank's mid is already [s, b, r], complete
+        complete = lowrank or predispatched  # mid is [.., r] and its route's backward sums dmid over TP
+        if self.column_parallel and not complete:
             mid = mappings.gather_from_tensor_model_parallel_region(mid, group=group)
         elif not self.column_parallel:
             mid = mappings.reduce_from_tensor_model_parallel_region(mid, group=group)
 
         if self._activation is not None:
             mid = self._activation(mid)
-        if not lowrank:  # the sequence reduce-scatter of lowrank already sums dmid over TP
+        if not complete:
             mid = mappings.copy_to_tensor_model_parallel_region(mid, group=group)
         out = linear(mid, b, fuse, splits=splits)
         if not self.column_parallel and explicit:  # the caller sums the base's partial outputs

@@ -9,6 +9,8 @@ function              input (per rank)             output (per rank)
 all_gather_seq        ``[s/t, ...]``               ``[s, ...]``
 reduce_scatter_seq    ``[s, ...]`` (partial sums)  ``[s/t, ...]`` (summed shard)
 all_reduce\\_          ``[...]`` (partial sums)     same tensor, summed in place
+all_to_all_rows       ``[sum(in_splits), ...]``    ``[sum(out_splits), ...]``: block
+                                                   ``i`` of the input to rank ``i``
 ===================== ============================ ==============================
 
 With ``async_op=True`` each returns a :class:`Pending`; ``Pending.wait()``
@@ -177,3 +179,24 @@ def all_reduce_(tensor: torch.Tensor, group, async_op: bool = False):
         return dist.all_reduce(tensor, group=group, async_op=a)
 
     return _launch(op, tensor, (), async_op)
+
+
+def all_to_all_rows(inp: torch.Tensor, out_splits, in_splits, group, async_op: bool = False):
+    """Send row block ``i`` of ``inp`` (``in_splits[i]`` rows) to rank ``i``; receive ``out_splits[j]``
+    rows from rank ``j``, in rank order (``torch.distributed.all_to_all_single``, as megatron's
+    token dispatcher sends tokens; used to send them again, :mod:`regather.expert_dispatch`)."""
+    out_splits = [int(n) for n in out_splits]
+    in_splits = [int(n) for n in in_splits]
+    if sum(in_splits) != inp.shape[0]:
+        raise ValueError(f"all_to_all_rows: input splits {in_splits} do not add up to {inp.shape[0]} rows")
+    inp = inp.contiguous()
+    out = inp.new_empty((sum(out_splits),) + tuple(inp.shape[1:]))
+    if world_size(group) == 1:
+        out.copy_(inp)
+        return Pending(out) if async_op else out
+
+    def op(a):
+        return dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                      group=group, async_op=a)
+
+    return _launch(op, out, (inp,), async_op)

@@ -177,6 +177,11 @@ class LoRA:
     # (False: one per expert); normalize_moe_lora gives expert adapters dim // moe_router_topk.
     share_expert_adapters: bool = True
     normalize_moe_lora: bool = False
+    # with recompute_adapter_inputs: a per-expert LoRA-A on expert linear_fc1 (SequentialMLP, or
+    # share_expert_adapters=False) rebuilds its input by dispatching the router's input again in
+    # backward (one more dispatch of the tokens per MoE layer; regather.expert_inputs). A shared
+    # expert LoRA-A needs no opt-in: it runs before the dispatch.
+    redispatch_expert_inputs: bool = False
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
@@ -200,6 +205,9 @@ class LoRA:
                     f"LoRA(sequence_parallel_input_regather=True, sequence_parallel_input_strategy="
                     f"{self.sequence_parallel_input_strategy!r}) disagree: set only one of them"
                 )
+        if self.redispatch_expert_inputs and not self.recompute_adapter_inputs:
+            raise ValueError("LoRA(redispatch_expert_inputs=True) rebuilds expert inputs in backward: it needs "
+                             "recompute_adapter_inputs=True (got recompute_adapter_inputs=False)")
         if self.lowrank_grad_allreduce not in ("backward", "finalize_model_grads"):
             raise ValueError(f"LoRA(lowrank_grad_allreduce={self.lowrank_grad_allreduce!r}): "
                              "expected 'backward' or 'finalize_model_grads'")
@@ -318,11 +326,13 @@ class LoRA:
             if grouped:  # one adapter, declared in each local expert's checkpoint slot (Bridge's keys)
                 adapter.expert_slots = experts.expert_slots(base)
         adapter.qualified_name = qualified_name or path
+        adapter.redispatch_inputs = self.redispatch_expert_inputs
         return adapter
 
 
 def attach_producers(model: nn.Module) -> None:
     """Find each recomputing adapter's producer in ``model`` (or the reason there is none)."""
+    from regather.expert_inputs import expert_producer
     from regather.producers import find_producer
 
     for path, wrapper in model.named_modules():
@@ -330,7 +340,10 @@ def attach_producers(model: nn.Module) -> None:
             continue
         for adapter in wrapper.named_adapters(path).values():  # one producer hook per adapter
             if adapter.recompute_inputs:
-                found = find_producer(model, path, wrapper)
+                if adapter.facts.is_expert and adapter.column_parallel:  # an expert fc1: the router's input
+                    found = expert_producer(model, path, adapter)
+                else:
+                    found = find_producer(model, path, wrapper)
                 if isinstance(found, str):
                     adapter.producer, adapter.producer_reason = None, found
                 else:

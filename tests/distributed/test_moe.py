@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from regather.eligibility import EXPERT_REASON
-from regather.producers import EXPERT_INPUT_KEPT
+from regather.expert_inputs import PREDISPATCH, REDISPATCH, REDISPATCH_OPT_IN
 from regather.testing.moe_models import TinyMoE, assemble
 from regather.testing.spawn_groups import SpawnGroups
 
@@ -38,27 +38,33 @@ from workers_moe import VARIANTS, Case, case_worker, reference_worker
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 FEW = ("gather", "regather", "regather-rc", "lowrank", "lowrank-rc")
+RD = ("regather-rc-rd",)
 TOP1 = (("moe_router_pre_softmax", True),)  # top-1 after softmax gives every token probability 1
 CASES = {
     # 2 ranks
     "seq_tp2_ep2": Case(ep=2, etp=1),  # every variant
     "seq_tp2_ep2_bias": Case(ep=2, etp=1, model=(("add_bias_linear", True),),  # megatron: MoE bias at ETP1 only
-                             variants=("gather", "regather-rc")),
-    "seq_tp2_etp2_allgather": Case(ep=1, etp=2, shape=TinyMoE(dispatcher="allgather"), variants=FEW),
+                             variants=("gather", "regather-rc") + RD),
+    "seq_tp2_etp2_allgather": Case(ep=1, etp=2, shape=TinyMoE(dispatcher="allgather"), variants=FEW + RD),
     "grouped_shared_tp2_ep2_top1_allgather": Case(
         ep=2, etp=1, shape=TinyMoE(experts="grouped", topk=1, dispatcher="allgather"), model=TOP1, variants=FEW),
-    "grouped_shared_tp2_etp2": Case(ep=1, etp=2, shape=TinyMoE(experts="grouped"), variants=("gather", "regather")),
-    "grouped_per_expert_tp2_etp2": Case(ep=1, etp=2, shape=TinyMoE(experts="grouped"), share=False, variants=FEW),
+    "grouped_shared_tp2_etp2": Case(ep=1, etp=2, shape=TinyMoE(experts="grouped"),
+                                    variants=("gather", "regather", "regather-rc")),
+    "grouped_per_expert_tp2_etp2": Case(ep=1, etp=2, shape=TinyMoE(experts="grouped"), share=False, variants=FEW + RD),
     "mixed_shared_expert_gated": Case(  # MoE layer 0 with a shared expert, dense layer 1, SwiGLU fused
-        ep=2, etp=1, shape=TinyMoE(shared_expert_size=32, moe_layer_freq=2, gated=True), variants=FEW,
+        ep=2, etp=1, shape=TinyMoE(shared_expert_size=32, moe_layer_freq=2, gated=True), variants=FEW + RD,
         model=(("bias_activation_fusion", True),)),  # experts: megatron's weighted SwiGLU
-    "interleaved": Case(ep=2, etp=1, schedule="interleaved", variants=("gather", "regather-rc")),
+    "interleaved": Case(ep=2, etp=1, schedule="interleaved", variants=("gather", "regather-rc") + RD),
+    "interleaved_grouped_shared": Case(ep=2, etp=1, shape=TinyMoE(experts="grouped"), schedule="interleaved",
+                                       variants=("gather", "regather", "regather-rc")),
     "bf16_seq_tp2_ep2_top1": Case(ep=2, etp=1, dtype="bfloat16", shape=TinyMoE(topk=1), model=TOP1,
-                                  variants=("gather", "regather", "regather-rc", "lowrank")),
+                                  variants=("gather", "regather", "regather-rc", "lowrank") + RD),
     # 4 ranks
-    "seq_tp2_ep2_etp2": Case(tp=2, ep=2, etp=2, variants=("gather", "regather", "lowrank-rc")),
+    "seq_tp2_ep2_etp2": Case(tp=2, ep=2, etp=2, variants=("gather", "regather", "lowrank-rc") + RD),
     "grouped_per_expert_tp2_ep2_etp2": Case(tp=2, ep=2, etp=2, shape=TinyMoE(experts="grouped"), share=False,
-                                            variants=("gather", "regather-rc")),
+                                            variants=("gather", "regather-rc") + RD),
+    "grouped_shared_tp2_ep2_etp2": Case(tp=2, ep=2, etp=2, shape=TinyMoE(experts="grouped"),
+                                        variants=("gather", "regather", "regather-rc")),
 }
 FP32 = [n for n, c in CASES.items() if c.dtype == "float32"]
 # spawns: one per case (20-40 s each on 2 cores), by world size; the reference runs all cases on one rank
@@ -74,6 +80,23 @@ LOWRANK_TOL = {"float32": 1e-5, "bfloat16": 3e-2}
 # copies), fp32 rounding of ~1e-7 relative per op through two layers and a step: 2e-5 of the
 # tensor's largest entry (measured: at most 1.2e-6); losses 1e-5 relative.
 REFERENCE_TOL = 2e-5
+
+
+# a shared grouped LoRA-A before the dispatch (regather.strategies.predispatched): dA summed over
+# tokens instead of routed rows, dx once per token instead of per routed row; the same products in
+# another order: fp32 1e-5 of each tensor's largest entry (measured at most 1.1e-6 over two SGD
+# steps), bf16 is not run on this route.
+PREDISPATCH_TOL = 1e-5
+
+
+def predispatched(case, variant) -> bool:
+    """The expert fc1 adapters of this variant run their shared LoRA-A before the dispatch."""
+    return "-rc" in variant and case.shape.experts == "grouped" and case.share
+
+
+def redispatched(case, variant) -> bool:
+    """The per-expert fc1 adapters of this variant read their input dispatched again in backward."""
+    return variant.endswith("-rc-rd") and not predispatched(case, variant)
 
 
 def ranks(name):
@@ -107,7 +130,8 @@ def test_every_variant_matches_gather(name):
         for v in case.variants:
             run, what = res[v], f"{name} rank {rank} {v}"
             if strategy(v) == "lowrank":
-                # the dense adapters' other summation order; lowrank-rc == lowrank bit for bit
+                # the dense adapters' other summation order; lowrank-rc == lowrank bit for bit (but for
+                # a shared expert LoRA-A before the dispatch: within PREDISPATCH_TOL)
                 tol = LOWRANK_TOL[case.dtype]
                 torch.testing.assert_close(torch.tensor(run["loss"]), torch.tensor(ref["loss"]), rtol=tol, atol=0)
                 for n in ref["grads"]:
@@ -118,11 +142,20 @@ def test_every_variant_matches_gather(name):
                         assert ".experts." not in n and n.endswith("linear_in.weight"), (what, n)
                         continue
                     assert rel_err(g, want) <= tol, (what, n)
-                if v.endswith("-rc") and "lowrank" in case.variants:
-                    base = res["lowrank"]
-                    assert run["loss"] == base["loss"], what
-                    exact(run["grads"], base["grads"], what)
-                    exact(run["final"], base["final"], what)
+                if "-rc" in v and "lowrank" in case.variants:
+                    if predispatched(case, v):
+                        close(run, res["lowrank"], PREDISPATCH_TOL, what)
+                    else:
+                        base = res["lowrank"]
+                        assert run["loss"] == base["loss"], what
+                        exact(run["grads"], base["grads"], what)
+                        exact(run["final"], base["final"], what)
+                continue
+            if predispatched(case, v):
+                close(run, ref, PREDISPATCH_TOL, what)
+                base = strategy(v)
+                if base in case.variants:  # and against the same strategy keeping the dispatched tokens
+                    close(run, res[base], PREDISPATCH_TOL, what + " vs " + base)
                 continue
             if "early_regather" not in VARIANTS[v][1] and strategy(v) == "regather" and case.shape.shared_expert_size:
                 # early regather with a shared expert: the MoE layer's input has four consumers (router,
@@ -146,6 +179,16 @@ def test_every_variant_matches_gather(name):
             assert run["loss"] == ref["loss"], what
             exact(run["grads"], ref["grads"], what + " last step's grads")
             exact(run["final"], ref["final"], what + " weights after the steps")
+
+
+def close(run, ref, tol, what):
+    """Losses within ``tol`` relative, every gradient and final weight within ``tol`` of its tensor's
+    largest entry."""
+    torch.testing.assert_close(torch.tensor(run["loss"]), torch.tensor(ref["loss"]), rtol=tol, atol=0)
+    for key in ("grads", "final"):
+        assert run[key].keys() == ref[key].keys(), what
+        for n, t in ref[key].items():
+            assert rel_err(run[key][n], t) <= tol, (what, key, n, rel_err(run[key][n], t))
 
 
 def _before_shared_expert(case):
@@ -210,9 +253,14 @@ def test_decisions_name_the_expert_reason(name):
                 head = "gather" if strategy(v) == "gather" else f"gather (asked {strategy(v)}: {EXPERT_REASON})"
                 assert d.startswith(head), (rank, v, p, d)
                 rest = d[len(head):]
-                if v.endswith("-rc"):
-                    if p.endswith("linear_fc1"):
-                        assert rest == f", input kept (recompute asked: {EXPERT_INPUT_KEPT})"
+                if "-rc" in v:
+                    if p.endswith("linear_fc1"):  # issue 16: from the router's input
+                        if predispatched(case, v):
+                            assert rest == f", input recomputed from {PREDISPATCH}", (v, p, d)
+                        elif redispatched(case, v):
+                            assert rest == f", input recomputed from {REDISPATCH}", (v, p, d)
+                        else:
+                            assert rest == f", input kept (recompute asked: {REDISPATCH_OPT_IN})", (v, p, d)
                     else:  # issue 16: fc2's input is rebuilt from the experts' activation x probs
                         assert rest == f", input recomputed from {_doctor_says(case)}", (v, p, d)
                 else:
@@ -257,17 +305,21 @@ def test_one_log_line_per_reason(name):
 # -- bytes ----------------------------------------------------------------------------------------------
 
 
-def _expert_kept(case, run, recompute=False):
+def _expert_kept(case, run, variant):
     """Each MoE layer's expert adapters' kept bytes by linear, from the routing of the first forward:
     fc1 keeps the dispatched tokens (h wide; SequentialMLP's per-expert inputs are views of one
-    buffer, counted once), fc2 each expert's fc2 input (moe_ffn / ETP wide) — none with recompute,
-    which rebuilds it from what the activation and the probs multiply keep."""
+    buffer, counted once) — none when its input comes from the router's (a shared LoRA-A before the
+    dispatch, or per-expert inputs dispatched again); fc2 each expert's fc2 input (moe_ffn / ETP
+    wide) — none with recompute, which rebuilds it from what the activation and the probs multiply
+    keep."""
     elt = torch.empty((), dtype=case.torch_dtype).element_size()
     sh = case.shape
+    recompute = "-rc" in variant
+    fc1_free = predispatched(case, variant) or redispatched(case, variant)
     want = {}
     for layer, forwards in run["routed"].items():
         tokens = forwards[0]
-        want[(layer, "fc1")] = sum(tokens) * sh.hidden_size * elt
+        want[(layer, "fc1")] = 0 if fc1_free else sum(tokens) * sh.hidden_size * elt
         fc2 = sh.moe_ffn_hidden_size // case.etp * elt
         if sh.experts == "sequential":
             for i, n in enumerate(tokens):
@@ -292,12 +344,109 @@ def test_expert_adapter_bytes_are_routed_tokens_times_width(name):
                 key = linear if "local_experts" not in path or linear == "fc1" else \
                     f"{linear}.{path.split('local_experts.')[1].split('.')[0]}"
                 got[(layer, key)] = got.get((layer, key), 0) + n
-            want = _expert_kept(case, run, recompute=v.endswith("-rc"))
+            want = _expert_kept(case, run, v)
             assert got == want, (v, got, want)
             assert all(sum(t) > 0 for t in (f[0] for f in run["routed"].values())), "no token routed"
         if "regather" in case.variants:
             # the dense column-parallel adapters keep their sequence shard: fewer bytes than gather
             assert res["regather"]["saved_adapter_input"] < res["gather"]["saved_adapter_input"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_nothing_kept_in_place_of_the_adapter_inputs(name):
+    """A recompute variant's retained bytes differ from its strategy's by adapter-input bytes alone:
+    an input rebuilt from what the model keeps (the router's input, the experts' activation, the
+    norms' inputs) adds nothing anywhere else."""
+    case = CASES[name]
+    for res in ranks(name):
+        for v in case.variants:
+            base = v.split("-rc")[0]
+            if base == v or base not in case.variants:
+                continue
+            run, ref = res[v], res[base]
+            assert run["saved_total"] - run["saved_adapter_input"] == ref["saved_total"] - ref["saved_adapter_input"], v
+
+
+def _dispatch_bytes(case, run, width, step, first_only=False, reverse=False):
+    """Per collective kind, what one more dispatch of ``width``-wide rows per MoE layer and forward of
+    ``step`` sends (``first_only``: in the step's first forward only; ``reverse``: its reverse in
+    backward), by the accounting's per-call formula (``regather.accounting``: output bytes x
+    (g-1)/g). alltoall at expert TP 1: one all-to-all whose output is the rows routed here (reverse:
+    the k rows of each local token); allgather: one all-gather of the local tokens over expert TP x
+    EP (reverse: its reduce-scatter). None where uneven expert-TP gathers make it shape-dependent
+    (alltoall at expert TP > 1)."""
+    elt = torch.empty((), dtype=case.torch_dtype).element_size()
+    n = 2 if case.schedule == "interleaved" else 1
+    forwards = range(step * n, step * n + (1 if first_only else n))
+    tokens = case.shape.seq_length * (case.batch // (case.world // case.tp)) // case.tp
+    if case.shape.dispatcher == "alltoall":
+        if case.etp > 1:
+            return None
+        g = case.ep
+        if reverse:
+            rows = [tokens * case.shape.topk for _ in run["routed"] for _ in forwards]
+        else:
+            rows = [sum(f[i]) for f in run["routed"].values() for i in forwards]
+        return {"all_to_all": sum(n_rows * width * elt * (g - 1) // g for n_rows in rows)}
+    g = case.ep * case.etp
+    per = tokens * g * width * elt * (g - 1) // g * len(forwards) * len(run["routed"])
+    return {"reduce_scatter" if reverse else "all_gather": per}
+
+
+def _extra(run, base, step):
+    a, b = run["comm_steps"][step], base["comm_steps"][step]
+    return {k: v for k in set(a) | set(b) if (v := a.get(k, 0) - b.get(k, 0))}
+
+
+def _add(*parts):
+    out: dict = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if "regather-rc-rd" in c.variants
+                                  and "regather-rc" in c.variants and not predispatched(c, "regather-rc")])
+def test_redispatch_sends_the_tokens_once_more(name):
+    """Per-expert inputs dispatched again in backward: exactly one more dispatch of the tokens per MoE
+    layer and micro-batch (nothing else changes), started when the experts' output gradient arrived."""
+    case = CASES[name]
+    for res in ranks(name):
+        rd, rc = res["regather-rc-rd"], res["regather-rc"]
+        extra = _extra(rd, rc, 1)  # the second step (the first also checks each layer's route once)
+        want = _dispatch_bytes(case, rd, case.shape.hidden_size, 1)
+        if want is None:
+            assert all(v > 0 for v in extra.values()) and extra, extra
+        else:
+            assert extra == want, (extra, want)
+        forwards = case.steps * (2 if case.schedule == "interleaved" else 1)
+        for layer, counts in rd["resends"].items():
+            assert counts == {"early": forwards}, (layer, counts)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if predispatched(c, "regather-rc")
+                                  and {"regather", "regather-rc"} <= set(c.variants)])
+def test_predispatch_sends_r_more_columns(name):
+    """A shared LoRA-A before the dispatch sends its rank-r output along the tokens' route and back:
+    r columns per routed row, forward and backward (the tokens' own dispatch is unchanged)."""
+    case = CASES[name]
+    for res in ranks(name):
+        rc, base = res["regather-rc"], res["regather"]
+        # the first step (the same weights, so the same routing, in both runs); it also checks each
+        # layer's route once: one h-wide dispatch in the first forward
+        extra = _extra(rc, base, 0)
+        mid = _dispatch_bytes(case, rc, case.dim, 0)
+        if mid is None:
+            # alltoall at expert TP > 1: the route's expert-TP gather and reduce-scatter replace the
+            # LoRA-B dmid all-reduce over expert TP (which the route's reduce-scatter now sums)
+            assert extra.get("all_reduce", 0) < 0 and extra.get("reduce_scatter", 0) > 0, extra
+            continue
+        back = _dispatch_bytes(case, rc, case.dim, 0, reverse=True)
+        check = _dispatch_bytes(case, rc, case.shape.hidden_size, 0, first_only=True)
+        g = case.ep * case.etp  # the check's verdict: one int32 all-reduce over the dispatch's ranks per layer
+        verdict = {"all_reduce": len(rc["routed"]) * 2 * 4 * (g - 1) // g}
+        assert extra == _add(mid, back, check, verdict), (extra, mid, back, check)
 
 
 # -- megatron's conventions -----------------------------------------------------------------------------

@@ -29,6 +29,11 @@ VARIANTS = {
     "gather-rc": ("gather", {"recompute_adapter_inputs": True}),
     "regather-rc": ("regather", {"recompute_adapter_inputs": True}),
     "lowrank-rc": ("lowrank", {"recompute_adapter_inputs": True}),
+    # per-expert LoRA-A inputs dispatched again in backward (a shared grouped LoRA-A runs before the
+    # dispatch under every -rc variant: the flag changes nothing there)
+    "gather-rc-rd": ("gather", {"recompute_adapter_inputs": True, "redispatch_expert_inputs": True}),
+    "regather-rc-rd": ("regather", {"recompute_adapter_inputs": True, "redispatch_expert_inputs": True}),
+    "lowrank-rc-rd": ("lowrank", {"recompute_adapter_inputs": True, "redispatch_expert_inputs": True}),
     # CanonicalLoRA (q/k/v and gate/up adapters; Bridge's canonical targets)
     "canonical-gather": ("gather", {}),
     "canonical-regather": ("regather", {}),
@@ -179,7 +184,7 @@ def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> di
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from regather.accounting import ADAPTER_INPUT
+    from regather.accounting import ADAPTER_INPUT, CollectiveBytes
     from regather.lora import adapters, decisions
     from regather.testing.train import AdapterSavedBytes
 
@@ -196,13 +201,16 @@ def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> di
         out = {"loss": [], "before": {p: str(d) for p, d in decisions(model).items()}}
         for step, micro_batches in enumerate(batches(case)):
             opt.zero_grad(set_to_none=True)
-            if step == 0:
-                saved = AdapterSavedBytes(model)
-                loss = _step(model, micro_batches, first=saved)
-                out["saved_total"], out["saved_adapter_input"] = saved.total, saved.of(ADAPTER_INPUT)
-                out["saved_by_adapter"] = dict(saved.by_adapter)
-            else:
-                loss = _step(model, micro_batches)
+            with CollectiveBytes() as comm:  # each step's collectives (reduce_like_ddp's apart)
+                if step == 0:
+                    saved = AdapterSavedBytes(model)
+                    loss = _step(model, micro_batches, first=saved)
+                    out["saved_total"], out["saved_adapter_input"] = saved.total, saved.of(ADAPTER_INPUT)
+                    out["saved_by_adapter"] = dict(saved.by_adapter)
+                    out["saved_by_label"] = saved.by_label()
+                else:
+                    loss = _step(model, micro_batches)
+            out.setdefault("comm_steps", []).append(comm.snapshot())
             reduce_like_ddp(named)
             if step == 0:
                 out["first_grads"] = layout.scatter({n: p.grad.detach().float().clone() for n, p in named.items()})
@@ -219,6 +227,8 @@ def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> di
         out["adapter_dims"] = {p: a.dim for p, a in adapters(model).items()}
         out["allreduce"] = {n: getattr(p, "allreduce", True) for n, p in named.items()}
         out["routed"] = routed
+        out["resends"] = {n: dict(m._regather_expert_inputs.resends) for n, m in model.named_modules()
+                          if getattr(m, "_regather_expert_inputs", None) is not None}
         out["ep_rank"], out["etp_rank"] = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
         out["tp_rank"], out["dp_rank"] = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
         out["param_names"] = sorted(n for n, _ in model.named_parameters())
