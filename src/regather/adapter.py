@@ -401,7 +401,7 @@ class ParallelLinearAdapter(nn.Module):
             return "dropout is applied to the adapter input (dropout_position='pre')"
         if self.producer is None:
             return self.producer_reason
-        if checkpointed_by_config(self.config, self.facts.base_name):
+        if checkpointed_by_config(self.config, self.facts.base_name, expert=self.facts.is_expert):
             # every forward of this adapter will run inside megatron's activation checkpoint: say
             # now what each of them will say (decisions() before a forward must not promise more)
             return IN_CHECKPOINT

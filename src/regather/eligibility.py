@@ -102,15 +102,20 @@ EXPERT_REASON = "expert linear: its input is the token dispatcher's output, not 
 IN_CHECKPOINT = "running inside activation checkpointing (its recompute must save what forward saved)"
 
 
-def checkpointed_by_config(config: Any, base_name: str) -> bool:
+def checkpointed_by_config(config: Any, base_name: str, expert: bool = False) -> bool:
     """Every forward of the adapter on ``base_name`` runs inside megatron's activation
     checkpoint: full recompute, or selective recompute of ``mlp`` (a dense MLP's ``linear_fc1``
-    and ``linear_fc2``; ``TransformerLayer`` checkpoints the whole MLP)."""
+    and ``linear_fc2``; ``TransformerLayer`` checkpoints the whole MLP) or, for an ``expert``
+    linear, of ``moe`` (``MoELayer`` checkpoints itself; ``mlp`` does not cover MoE layers)."""
     granularity = getattr(config, "recompute_granularity", None)
     if granularity == "full":
         return True
     modules = getattr(config, "recompute_modules", None) or []
-    return granularity == "selective" and "mlp" in modules and base_name in ("linear_fc1", "linear_fc2")
+    if granularity != "selective":
+        return False
+    if expert:
+        return "moe" in modules
+    return "mlp" in modules and base_name in ("linear_fc1", "linear_fc2")
 
 
 def unsupported_reason(facts: AdapterFacts, config: Any, state: RunState) -> Optional[str]:

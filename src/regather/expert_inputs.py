@@ -54,6 +54,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from regather import expert_dispatch
+from regather.eligibility import IN_CHECKPOINT
 from regather.producers import Meta, global_hooks_reason, kept_between
 
 PREDISPATCH = "the router's input: LoRA-A runs before the dispatch (one LoRA-A for the local experts)"
@@ -69,8 +70,11 @@ def static_reason(moe: nn.Module) -> Optional[str]:
     alone), or None."""
     cfg, experts = moe.config, moe.experts
     granularity, modules = getattr(cfg, "recompute_granularity", None), getattr(cfg, "recompute_modules", None) or []
-    if granularity == "selective" and "moe" in modules:
-        return f"selective recompute covers 'moe' (recompute_modules={list(modules)}): the MoE layer runs again"
+    if granularity == "full" or (granularity == "selective" and "moe" in modules):
+        return IN_CHECKPOINT  # the adapters say so first (eligibility.checkpointed_by_config)
+    if granularity == "selective" and "layernorm" in modules:
+        return ("selective recompute covers 'layernorm': megatron frees the pre-MLP norm's output (the "
+                "router's input) after forward and recomputes it in backward")
     why = expert_dispatch.unsupported_reason(moe.token_dispatcher, cfg)
     if why:
         return why

@@ -57,6 +57,10 @@ CASES = {
     "interleaved": Case(ep=2, etp=1, schedule="interleaved", variants=("gather", "regather-rc") + RD),
     "interleaved_grouped_shared": Case(ep=2, etp=1, shape=TinyMoE(experts="grouped"), schedule="interleaved",
                                        variants=("gather", "regather", "regather-rc")),
+    # one forward, two backward calls (retain_graph): every rebuilt expert input is rebuilt again
+    "retain_seq": Case(ep=2, etp=1, schedule="retain", variants=("gather", "regather-rc-rd")),
+    "retain_grouped_shared": Case(ep=2, etp=1, shape=TinyMoE(experts="grouped"), schedule="retain",
+                                  variants=("gather", "regather-rc")),
     "bf16_seq_tp2_ep2_top1": Case(ep=2, etp=1, dtype="bfloat16", shape=TinyMoE(topk=1), model=TOP1,
                                   variants=("gather", "regather", "regather-rc", "lowrank") + RD),
     # 4 ranks
@@ -66,9 +70,15 @@ CASES = {
     "grouped_shared_tp2_ep2_etp2": Case(tp=2, ep=2, etp=2, shape=TinyMoE(experts="grouped"),
                                         variants=("gather", "regather", "regather-rc")),
 }
-FP32 = [n for n, c in CASES.items() if c.dtype == "float32"]
-# spawns: one per case (20-40 s each on 2 cores), by world size; the reference runs all cases on one rank
-_BY_WORLD = {w: [[n] for n, c in CASES.items() if c.world == w] for w in (2, 4)}
+# the reference: fp32 cases whose loss is the same function at every layout (the retain cases' loss is
+# a plain function of this rank's vocab-parallel logits shard)
+FP32 = [n for n, c in CASES.items() if c.dtype == "float32" and c.schedule != "retain"]
+# spawns: one per case (20-40 s each on 2 cores), by world size, but the small ones share one; the
+# reference runs all cases on one rank
+SHARED_SPAWNS = [["retain_seq", "retain_grouped_shared"]]
+_shared = {n for group in SHARED_SPAWNS for n in group}
+_BY_WORLD = {w: [[n] for n, c in CASES.items() if c.world == w and n not in _shared]
+             + [g for g in SHARED_SPAWNS if CASES[g[0]].world == w] for w in (2, 4)}
 RUNS = {w: SpawnGroups(case_worker, w, groups, CASES, timeout=240) for w, groups in _BY_WORLD.items()}
 REFERENCE = SpawnGroups(reference_worker, 1, [FP32], CASES, timeout=240)
 
@@ -205,19 +215,22 @@ def _before_shared_expert(case):
 
 @pytest.mark.parametrize("name", FP32)
 def test_layout_matches_single_rank_reference(name):
-    """The gather path at this TP x EP x ETP against the same full weights on one rank."""
+    """The gather path at this TP x EP x ETP against the same full weights on one rank; so does a
+    shared expert LoRA-A before the dispatch (its own summation order, the same tolerance)."""
     per_rank = ranks(name)
     ref = REFERENCE.ranks(FP32[0])[0][name]
-    torch.testing.assert_close(torch.tensor(per_rank[0]["gather"]["loss"]), torch.tensor(ref["loss"]),
-                               rtol=1e-5, atol=0)
-    got = assemble([r["gather"]["first_grads"] for r in per_rank])
+    case = CASES[name]
     want = assemble([ref["first_grads"]])
-    assert got.keys() == want.keys()
-    expert = [n for n in want if ".experts." in n]
-    assert expert, "no expert adapter gradient compared"
-    for n in want:
-        assert want[n].abs().max() > 0, f"{n}: the reference gradient is zero (nothing compared)"
-        assert rel_err(got[n], want[n]) <= REFERENCE_TOL, (name, n, rel_err(got[n], want[n]))
+    for v in ["gather"] + [v for v in case.variants if predispatched(case, v) and strategy(v) != "lowrank"]:
+        torch.testing.assert_close(torch.tensor(per_rank[0][v]["loss"]), torch.tensor(ref["loss"]),
+                                   rtol=1e-5, atol=0)
+        got = assemble([r[v]["first_grads"] for r in per_rank])
+        assert got.keys() == want.keys()
+        expert = [n for n in want if ".experts." in n]
+        assert expert, "no expert adapter gradient compared"
+        for n in want:
+            assert want[n].abs().max() > 0, f"{n}: the reference gradient is zero (nothing compared)"
+            assert rel_err(got[n], want[n]) <= REFERENCE_TOL, (name, v, n, rel_err(got[n], want[n]))
 
 
 # -- decisions, logs ---------------------------------------------------------------------------------
@@ -420,9 +433,9 @@ def test_redispatch_sends_the_tokens_once_more(name):
             assert all(v > 0 for v in extra.values()) and extra, extra
         else:
             assert extra == want, (extra, want)
-        forwards = case.steps * (2 if case.schedule == "interleaved" else 1)
+        backwards = case.steps * (2 if case.schedule == "interleaved" else 1)
         for layer, counts in rd["resends"].items():
-            assert counts == {"early": forwards}, (layer, counts)
+            assert counts == {"early": backwards}, (layer, counts)
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if predispatched(c, "regather-rc")
@@ -447,6 +460,27 @@ def test_predispatch_sends_r_more_columns(name):
         g = case.ep * case.etp  # the check's verdict: one int32 all-reduce over the dispatch's ranks per layer
         verdict = {"all_reduce": len(rc["routed"]) * 2 * 4 * (g - 1) // g}
         assert extra == _add(mid, back, check, verdict), (extra, mid, back, check)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.schedule == "retain"])
+def test_retain_graph_second_backward_adds_the_first(name):
+    """Every rebuilt input (re-dispatched, before the dispatch, from the activation) is rebuilt again in
+    a second backward of the same forward: the gradients double exactly, re-dispatches are per backward."""
+    case = CASES[name]
+    for rank, res in enumerate(ranks(name)):
+        for v in case.variants:
+            run = res[v]
+            first = run["retain_first"]
+            both = {n: t for n, (_, t) in run["first_grads"].items()}
+            assert first and first.keys() == both.keys(), v
+            for n, t in first.items():
+                torch.testing.assert_close(both[n], 2 * t.float(), rtol=0, atol=0, msg=lambda m: f"{v} {n}: {m}")
+            if redispatched(case, v):
+                # the first backward re-dispatches when the experts' output gradient arrives; once every
+                # adapter has its rows the router's tensor is let go, so a second backward of the same
+                # graph re-dispatches when its first adapter needs them (from what that adapter saved)
+                for layer, counts in run["resends"].items():
+                    assert counts == {"early": case.steps, "late": case.steps}, (rank, v, layer, counts)
 
 
 # -- megatron's conventions -----------------------------------------------------------------------------

@@ -60,10 +60,15 @@ class Case:
     # "step": forward + backward per step; "interleaved": two micro-batches per step, both forwards
     # first (the dispatcher and the producers overwrite their per-forward state in between), then
     # the backwards in reverse order: each recomputed input is rebuilt from its own forward's tensors.
-    # (Not retain_graph: megatron's vocab-parallel cross entropy modifies its saved softmax in its
-    # backward, so no loss of this model backpropagates twice; tests/distributed/test_recompute.py's
-    # retain_graph setup reads the same recompute sources twice.)
+    # "retain": one forward, two backward calls (retain_graph=True) on a plain function of the logits
+    # (megatron's vocab-parallel cross entropy modifies its saved softmax in its backward, so its
+    # loss cannot backpropagate twice): every rebuilt input is rebuilt again, the second backward
+    # adds exactly the first's gradients.
     schedule: str = "step"
+    targets: tuple = TARGETS
+    # test-only fault: on this rank, the route check of each MoE layer sees wrong rows
+    # (regather.expert_dispatch.Route's last step perturbed without autograd)
+    fault_rank: Optional[int] = None
 
     @property
     def world(self) -> int:
@@ -82,7 +87,7 @@ def _lora(case: Case, variant: str):
     from regather import CanonicalLoRA, LoRA
 
     strategy, overrides = VARIANTS[variant]
-    kwargs = dict(target_modules=list(TARGETS), dim=case.dim, alpha=2 * case.dim, lora_B_init_method="xavier",
+    kwargs = dict(target_modules=list(case.targets), dim=case.dim, alpha=2 * case.dim, lora_B_init_method="xavier",
                   share_expert_adapters=case.share, **overrides)
     if variant.startswith("canonical-"):
         del kwargs["target_modules"]  # CanonicalLoRA's default: every projection
@@ -122,13 +127,24 @@ def batches(case: Case):
         yield step_batches
 
 
-def _step(model, micro_batches: list, first=None):
+def _step(model, micro_batches: list, first=None, schedule: str = "step", out: Optional[dict] = None):
     """One step's forwards and backwards; ``first``: a context around the first forward (the
-    counting). Returns the loss (the micro-batches' mean)."""
+    counting). Returns the loss (the micro-batches' mean). ``schedule="retain"``: two backward
+    calls of one forward, the gradients after the first go to ``out["retain_first"]``."""
     import contextlib
 
     from regather.testing.models import gpt_loss
 
+    if schedule == "retain":
+        tokens, _, position_ids, mask = micro_batches[0]
+        with first if first is not None else contextlib.nullcontext():
+            loss = model(tokens, position_ids, mask).float().square().mean()
+        loss.backward(retain_graph=True)
+        if out is not None:
+            out.setdefault("retain_first", {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                            if p.grad is not None})
+        loss.backward()
+        return loss
     with first if first is not None else contextlib.nullcontext():
         losses = [gpt_loss(model, micro_batches[0])]
         if len(micro_batches) == 1:
@@ -204,16 +220,18 @@ def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> di
             with CollectiveBytes() as comm:  # each step's collectives (reduce_like_ddp's apart)
                 if step == 0:
                     saved = AdapterSavedBytes(model)
-                    loss = _step(model, micro_batches, first=saved)
+                    loss = _step(model, micro_batches, first=saved, schedule=case.schedule, out=out)
                     out["saved_total"], out["saved_adapter_input"] = saved.total, saved.of(ADAPTER_INPUT)
                     out["saved_by_adapter"] = dict(saved.by_adapter)
                     out["saved_by_label"] = saved.by_label()
                 else:
-                    loss = _step(model, micro_batches)
+                    loss = _step(model, micro_batches, schedule=case.schedule)
             out.setdefault("comm_steps", []).append(comm.snapshot())
             reduce_like_ddp(named)
             if step == 0:
                 out["first_grads"] = layout.scatter({n: p.grad.detach().float().clone() for n, p in named.items()})
+                if "retain_first" in out:  # the same global names
+                    out["retain_first"] = {g: t for g, (_, t) in layout.scatter(out["retain_first"]).items()}
             if step == case.steps - 1:
                 out["grads"] = {n: p.grad.detach().clone() for n, p in named.items()}
             opt.step()
@@ -245,8 +263,31 @@ def case_worker(rank: int, world_size: int, group: tuple, cases: dict) -> dict:
     out = {}
     for name in group:
         case = cases[name]
-        out[name] = {v: train(case, v) for v in case.variants}
+        with _fault(case, rank):
+            out[name] = {v: train(case, v) for v in case.variants}
     return out
+
+
+class _fault:
+    """``case.fault_rank``: perturb the rows a route replay returns without autograd on that rank."""
+
+    def __init__(self, case: Case, rank: int):
+        self.active = case.fault_rank == rank
+
+    def __enter__(self):
+        from regather import expert_dispatch
+
+        self.original = expert_dispatch.Route._finish
+        if self.active:
+            def finish(route, rows, _original=self.original):
+                out = _original(route, rows)
+                return out if torch.is_grad_enabled() else out + 1
+            expert_dispatch.Route._finish = finish
+
+    def __exit__(self, *exc):
+        from regather import expert_dispatch
+
+        expert_dispatch.Route._finish = self.original
 
 
 def reference_worker(rank: int, world_size: int, group: tuple, cases: dict) -> dict:
