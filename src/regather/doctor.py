@@ -20,8 +20,11 @@ adapter              info /   every LoRA adapter's decision (strategy used and w
                      warning  ``--recompute-adapter-inputs`` whether its input is recomputed and
                               from what, or why it is kept); a fallback that is not by design
                               is a warning
+redispatch-available info     per-expert expert fc1 adapters keep the dispatched tokens under
+                              recompute only because ``redispatch_expert_inputs`` is off: the
+                              bytes re-dispatch would free, and what it would send
 saving               info     estimated LoRA-A input memory saved per GPU (re-gather, and the
-                              inputs recompute rebuilds)
+                              inputs recompute rebuilds, expert adapters included)
 ==================== ======== ==================================================
 
 Everything is a pure function of an env mapping and a :class:`Setup`, so each
@@ -38,18 +41,29 @@ checkpoints cannot run on CPU (selective ``mlp``: endless recursion on gloo; sel
 ``layernorm``: needs TE); the step runs without them and the affected adapters' recompute
 sentence comes from the rules, marked ``recompute_reason_from_rules``.
 
+MoE (``--moe``): expert fc1's recompute outcome is the adapters' (:mod:`regather.expert_inputs`),
+in their order — a per-expert LoRA-A (SequentialMLP, or grouped experts with
+``share_expert_adapters=False``) without ``redispatch_expert_inputs`` gets no producer, then
+megatron's checkpoint, then the MoE layer's configuration (:func:`regather.expert_inputs.static_reason`
+on a stand-in layer: the flex dispatcher, offloading, ...), then a router whose input needs no
+gradient (:func:`regather.estimate.expert_fc1_source`).
+
 The saving uses :func:`regather.estimate.adapter_input_bytes` (``s*b*h*e`` on
 the gather path against ``s*b*h*e/t`` when re-gathering, i.e.
 ``s*b*h*e*(t-1)/t`` per adapter and micro-batch in flight), counted only for
 the adapters whose decision is not the gather path; plus, per recomputing adapter,
-its ``x_local`` (qkv/fc1) or its input ``s*b*ffn/t*e`` (fc2).
+its ``x_local`` (qkv/fc1) or its input ``s*b*ffn/t*e`` (fc2); plus, per MoE layer whose
+expert fc1 / fc2 adapters recompute, :func:`regather.estimate.expert_inputs`' exact bytes
+(``R*h*e`` / ``R*(moe_ffn/ETP)*e``, ``R = T*k*ETP`` routed rows: the mean over the EP x ETP group).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Mapping, Optional
@@ -82,6 +96,15 @@ class Setup:
     ffn: int = 128
     moe: bool = False
     experts: str = "sequential"  # MoE: "sequential" (SequentialMLP) or "grouped" (TEGroupedMLP)
+    # MoE sizes and layout (defaults: the tiny test MoE, regather.testing.moe_models.TinyMoE)
+    num_experts: int = 4
+    moe_ffn: int = 64
+    topk: int = 2
+    ep: int = 1
+    etp: int = 1
+    dispatcher: str = "alltoall"  # moe_token_dispatcher_type: "alltoall", "allgather" or "flex"
+    share_expert_adapters: bool = True  # grouped experts only: SequentialMLP has one adapter per expert
+    redispatch_expert_inputs: bool = False  # LoRA(redispatch_expert_inputs=True)
     # parallelism and batch
     tp: int = 2
     pp: int = 1
@@ -280,15 +303,20 @@ def recompute_part(setup: Setup, name: str, used: str, producer_input_needs_grad
     return producer, None
 
 
+def shares_expert_lora(setup: Setup) -> bool:
+    """One LoRA pair for a MoE layer's local experts: grouped experts with ``share_expert_adapters``
+    (Bridge's default); SequentialMLP experts have one each."""
+    return setup.experts == "grouped" and setup.share_expert_adapters
+
+
 def _expert_recompute_part(setup: Setup, name: str, needs_grad: bool) -> tuple[Optional[str], Optional[str]]:
-    """An expert adapter's recompute outcome (regather.producers / regather.expert_producers): fc1
-    keeps the dispatched tokens; fc2 rebuilds its input from the experts' activation x probs."""
+    """An expert adapter's recompute outcome: fc1 from the router's input (:func:`_expert_fc1_part`);
+    fc2 rebuilds its input from the experts' activation x probs (regather.expert_producers)."""
     from regather.eligibility import IN_CHECKPOINT, checkpointed_by_config
     from regather.expert_producers import MOE_ACT_RECOMPUTED, grouped_name
-    from regather.producers import EXPERT_INPUT_KEPT
 
     if name == "linear_fc1":
-        return None, EXPERT_INPUT_KEPT
+        return _expert_fc1_part(setup, needs_grad)
     modules = list(setup.recompute_modules) if setup.recompute_granularity == "selective" else []
     if checkpointed_by_config(setup, name) or "moe" in modules:
         return None, IN_CHECKPOINT
@@ -302,6 +330,53 @@ def _expert_recompute_part(setup: Setup, name: str, needs_grad: bool) -> tuple[O
     if not needs_grad:
         return None, f"{producer}: {_NOTHING_KEPT}"
     return producer, None
+
+
+def _expert_fc1_part(setup: Setup, router_input_needs_grad: bool) -> tuple[Optional[str], Optional[str]]:
+    """Expert fc1 in the adapter's order (``ParallelLinearAdapter._recompute_unsupported``): a
+    per-expert LoRA-A without the re-dispatch opt-in has no producer (``REDISPATCH_OPT_IN``), then
+    megatron's checkpoint (full, selective ``mlp`` or ``moe``: ``IN_CHECKPOINT``, as for fc2), then
+    the MoE layer's configuration (:func:`moe_static_reason`), then the router's input: it keeps
+    nothing unless it requires grad (the pre-MLP norm's input does)."""
+    from regather.eligibility import IN_CHECKPOINT, checkpointed_by_config
+    from regather.estimate import expert_fc1_source
+    from regather.expert_inputs import REDISPATCH_OPT_IN
+
+    producer, why = expert_fc1_source(shares_expert_lora(setup), setup.redispatch_expert_inputs,
+                                      router_input_needs_grad)
+    if why == REDISPATCH_OPT_IN:
+        return None, why
+    modules = list(setup.recompute_modules) if setup.recompute_granularity == "selective" else []
+    if checkpointed_by_config(setup, "linear_fc1") or "moe" in modules:
+        return None, IN_CHECKPOINT
+    static = moe_static_reason(setup)
+    if static:
+        return None, static
+    return producer, why
+
+
+DISPATCHERS = ("alltoall", "allgather", "flex")
+
+
+def moe_static_reason(setup: Setup) -> Optional[str]:
+    """:func:`regather.expert_inputs.static_reason` for this setup: why no expert fc1 input of a MoE
+    layer can come from the router's input, from the configuration alone (or None). It runs on a
+    stand-in layer — the setup's config attributes, and an instance of megatron's dispatcher class
+    for ``setup.dispatcher`` made without ``__init__`` (only its class is read)."""
+    import warnings
+
+    from regather.expert_inputs import static_reason
+
+    if setup.dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher {setup.dispatcher!r}: expected one of {DISPATCHERS}")
+    with warnings.catch_warnings():  # megatron warns about missing TE / Apex on import
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.moe import token_dispatcher as td
+    kind = {"alltoall": td.MoEAlltoAllTokenDispatcher, "allgather": td.MoEAllGatherTokenDispatcher,
+            "flex": getattr(td, "MoEFlexTokenDispatcher", None)}[setup.dispatcher]
+    dispatcher = object.__new__(kind) if kind is not None else type("MoEFlexTokenDispatcher", (), {})()
+    config = SimpleNamespace(**vars(_config_namespace(setup)), moe_token_dispatcher_type=setup.dispatcher)
+    return static_reason(SimpleNamespace(config=config, experts=SimpleNamespace(), token_dispatcher=dispatcher))
 
 
 def _cpu_cannot_run(setup: Setup, name: str) -> Optional[str]:
@@ -318,8 +393,6 @@ def _build_rank(rank, world_size, setup: Setup):
     """Rank body for ``--build``: the tiny GPT with LoRA; ``regather.decisions`` before a step,
     then one training step (forward + backward), whose per-forward producer checks can still
     make an adapter keep its input (each adapter's ``last_decision`` says why)."""
-    import dataclasses
-
     import torch
     import torch.nn.functional as F
 
@@ -468,6 +541,8 @@ def _fix_for_reason(reason: str) -> Optional[str]:
 
 
 def _fix_for_kept(reason: str) -> Optional[str]:
+    if "redispatch_expert_inputs=True" in reason:
+        return "LoRA(redispatch_expert_inputs=True) (--redispatch-expert-inputs): see the redispatch-available finding"
     if _NOTHING_KEPT in reason:
         return ("recomputable only when the decoder input requires grad (Bridge's "
                 "maybe_enable_recompute_inputs_grad with activation recompute, HF's enable_input_require_grads; "
@@ -511,29 +586,89 @@ def _bytes_of(setup: Setup, target: str, strategy: str) -> int:
     return est.adapter_input_bytes(model, run, strategy).get(target, 0)
 
 
+def _is_expert(setup: Setup, path: str) -> bool:
+    """An expert linear's adapter (a MoE layer's fc1/fc2, not a shared expert's)."""
+    return setup.moe and path.rsplit(".", 1)[-1] in ("linear_fc1", "linear_fc2") and ".shared_experts." not in path
+
+
+def _moe_layer(path: str) -> str:
+    """The MoE layer an expert adapter's path belongs to (SequentialMLP's experts share it)."""
+    return re.sub(r"\.local_experts\.\d+", "", path).rsplit(".", 1)[0]
+
+
+def _expert_estimate(setup: Setup):
+    """``(Model, Run)`` for :mod:`regather.estimate` from this setup (a flex dispatcher: the alltoall
+    one, for bytes, which do not depend on it)."""
+    from regather import estimate as est
+
+    model = est.Model("doctor", hidden=setup.hidden, layers=setup.layers, heads=setup.heads,
+                      experts=setup.num_experts, moe_ffn=setup.moe_ffn, topk=setup.topk)
+    run = est.Run(tp=setup.tp, sp=setup.sp, seq=setup.seq, micro_batch=setup.micro_batch, in_flight=setup.in_flight,
+                  pp=setup.pp, dtype=setup.dtype, lora_rank=setup.lora_rank, targets=tuple(setup.targets),
+                  input_requires_grad=setup.input_requires_grad, ep=setup.ep, etp=setup.etp,
+                  expert_lora="shared" if shares_expert_lora(setup) else "per-expert",
+                  redispatch=setup.redispatch_expert_inputs,
+                  dispatcher=setup.dispatcher if setup.dispatcher in est.DISPATCHERS else "alltoall")
+    return model, run
+
+
+def expert_layer_bytes(setup: Setup) -> dict[str, int]:
+    """One MoE layer's expert adapter inputs per GPU, by linear, all micro-batches in flight
+    (:func:`regather.estimate.expert_inputs` on the gather path: fc1 ``R*h*e``, fc2
+    ``R*(moe_ffn/ETP)*e``, ``R = T*k*ETP`` routed rows, the EP x ETP group's mean)."""
+    from regather import estimate as est
+
+    model, run = _expert_estimate(setup)
+    (row,) = est.expert_inputs(dataclasses.replace(model, layers=1), dataclasses.replace(run, pp=1), "gather")
+    return {a.target.split(".", 1)[1]: a.kept_bytes * setup.in_flight for a in row}
+
+
+def _recomputing_expert_layers(setup: Setup, decisions: Mapping[str, Mapping], name: str) -> set:
+    return {_moe_layer(p) for p, d in decisions.items()
+            if d.get("recompute") and _is_expert(setup, p) and p.endswith(name)}
+
+
+def _expert_saving(setup: Setup, decisions: Mapping[str, Mapping]) -> tuple[int, str]:
+    """Bytes the recomputing expert adapters free, per MoE layer and linear, and how."""
+    from regather.estimate import routed_rows
+
+    layers = {n: len(_recomputing_expert_layers(setup, decisions, n)) for n in ("linear_fc1", "linear_fc2")}
+    if not any(layers.values()):
+        return 0, ""
+    try:
+        per, rows = expert_layer_bytes(setup), routed_rows(*_expert_estimate(setup))
+    except ValueError as exc:  # a layout estimate refuses: say so instead of guessing
+        return 0, (f"; expert fc1 inputs recomputed in {layers['linear_fc1']} MoE layer(s) and fc2 inputs in "
+                   f"{layers['linear_fc2']}, not counted: {exc}")
+    total = sum(n * per.get(name, 0) for name, n in layers.items())
+    return total, (f" + {layers['linear_fc1']} MoE layer(s) of expert fc1 inputs x {per.get('linear_fc1', 0):,} bytes "
+                   f"(R*h*e) + {layers['linear_fc2']} of expert fc2 inputs x {per.get('linear_fc2', 0):,} bytes "
+                   f"(R*moe_ffn/ETP*e), R = T*k*ETP = {rows} routed rows per GPU (mean over the EP x ETP group)")
+
+
 def saving_finding(setup: Setup, decisions: Mapping[str, Mapping]) -> Finding:
     """Re-gathering adapters save x_full - x_local each; with recompute_adapter_inputs, a
-    recomputing qkv/fc1 adapter saves its x_local too (x_full in all) and a recomputing fc2
-    adapter its input ``s*b*ffn/t*e`` (regather.estimate's bytes)."""
+    recomputing qkv/fc1 adapter saves its x_local too (x_full in all), a recomputing fc2
+    adapter its input ``s*b*ffn/t*e``, and each MoE layer whose expert adapters recompute its
+    expert inputs (:func:`expert_layer_bytes`) — regather.estimate's bytes."""
     local = [p for p, d in decisions.items() if d["used"] != "gather"]
     per, how = per_adapter_saving(setup)
     total = per * len(local)
     text = (f"estimated LoRA-A input memory saved per GPU: {{total}} = {len(local)} re-gathering adapter(s) x "
             f"{per:,} bytes")
-    col = [p for p, d in decisions.items() if d.get("recompute") and p.rsplit(".", 1)[-1] in COLUMN_PARALLEL]
-    fc2 = [p for p, d in decisions.items() if d.get("recompute") and p.rsplit(".", 1)[-1] == "linear_fc2"]
-    experts = [p for p in fc2 if setup.moe and ".shared_experts." not in p]
-    fc2 = [p for p in fc2 if p not in experts]  # an expert's bytes follow the routing: not counted here
+    recomputing = [p for p, d in decisions.items() if d.get("recompute") and not _is_expert(setup, p)]
+    col = [p for p in recomputing if p.rsplit(".", 1)[-1] in COLUMN_PARALLEL]
+    fc2 = [p for p in recomputing if p.rsplit(".", 1)[-1] == "linear_fc2"]
     if setup.recompute_adapter_inputs:
         x_local = _bytes_of(setup, "linear_qkv", "regather")
         fc2_in = _bytes_of(setup, "linear_fc2", "gather")
         total += len(col) * x_local + len(fc2) * fc2_in
         kept = sum(1 for d in decisions.values() if d.get("recompute_reason"))
         text += (f" + {len(col)} recomputed qkv/fc1 input(s) x {x_local:,} bytes (x_local) + {len(fc2)} recomputed "
-                 f"fc2 input(s) x {fc2_in:,} bytes (s*b*ffn/t*e); {kept} adapter(s) keep their input")
-        if experts:
-            text += (f"; {len(experts)} expert fc2 adapter(s) also recompute their input (tokens routed x "
-                     "moe_ffn/ETP each, not counted here: regather estimate models experts)")
+                 f"fc2 input(s) x {fc2_in:,} bytes (s*b*ffn/t*e)")
+        experts, expert_text = _expert_saving(setup, decisions)
+        total += experts
+        text += f"{expert_text}; {kept} adapter(s) keep their input"
     text = text.replace("{total}", f"{total:,} bytes ({total / 2**30:.3f} GiB)")
     return Finding(
         "saving", "info",
@@ -542,12 +677,50 @@ def saving_finding(setup: Setup, decisions: Mapping[str, Mapping]) -> Finding:
     )
 
 
+def redispatch_finding(setup: Setup, decisions: Mapping[str, Mapping]) -> Optional[Finding]:
+    """Per-expert expert fc1 adapters that keep the dispatched tokens under recompute only because
+    ``LoRA(redispatch_expert_inputs=True)`` is off (with it on, the rules recompute them): what
+    re-dispatch frees (:func:`expert_layer_bytes`, fc1) and sends — one more dispatch of the
+    tokens per MoE layer in backward (:func:`regather.estimate.redispatch_comm`)."""
+    if not (setup.moe and setup.recompute_adapter_inputs) or setup.redispatch_expert_inputs:
+        return None
+    from regather.estimate import redispatch_comm
+    from regather.expert_inputs import REDISPATCH_OPT_IN
+
+    blocked = [p for p, d in decisions.items() if d.get("recompute_reason") == REDISPATCH_OPT_IN]
+    if not blocked:
+        return None
+    opted_in = dataclasses.replace(setup, redispatch_expert_inputs=True)
+    layers = _recomputing_expert_layers(opted_in, {p: d for p, d in analytic_decisions(opted_in).items()
+                                                   if p in blocked}, "linear_fc1")
+    if not layers:
+        return None
+    head = (f"{len(blocked)} per-expert linear_fc1 adapter(s) in {len(layers)} MoE layer(s) keep the dispatched "
+            "tokens under recompute_adapter_inputs only because re-dispatch is off")
+    try:
+        freed = len(layers) * expert_layer_bytes(setup)["linear_fc1"]
+        sends = [(kind, len(layers) * n) for kind, n, _ in redispatch_comm(*_expert_estimate(opted_in)) if n]
+    except ValueError as exc:
+        message = f"{head} (bytes not estimated: {exc})"
+    else:
+        cost = ", ".join(f"{kind} {n:,}" for kind, n in sends) or "nothing crosses ranks at EP = ETP = 1"
+        message = (f"{head}: re-dispatch would free {freed:,} bytes per GPU ({len(layers)} x R*h*e, all "
+                   f"micro-batches in flight) for one more dispatch of the tokens per MoE layer in backward, "
+                   f"{sum(n for _, n in sends):,} bytes received per GPU and micro-batch ({cost}; "
+                   "regather.estimate, mean over the EP x ETP group)")
+    return Finding("redispatch-available", "info", message,
+                   "LoRA(redispatch_expert_inputs=True) (doctor: --redispatch-expert-inputs); grouped experts with "
+                   "share_expert_adapters=True need no re-dispatch (their shared LoRA-A runs before the dispatch)")
+
+
 def diagnose(env: Mapping[str, str], setup: Setup, decisions: Optional[Mapping[str, Mapping]] = None
              ) -> list[Finding]:
     """Every finding for ``env`` and ``setup`` (decisions: analytic unless given)."""
     if decisions is None:
         decisions = analytic_decisions(setup)
-    return env_findings(env, setup) + adapter_findings(setup, decisions) + [saving_finding(setup, decisions)]
+    redispatch = redispatch_finding(setup, decisions)
+    return (env_findings(env, setup) + adapter_findings(setup, decisions) + ([redispatch] if redispatch else [])
+            + [saving_finding(setup, decisions)])
 
 
 # -- command line ----------------------------------------------------------------------
@@ -562,11 +735,17 @@ def register(subparsers) -> None:
         "doctor", help="diagnose allocator/NCCL/offload settings and every LoRA adapter's strategy",
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = Setup()
-    for flag in ("hidden", "layers", "heads", "ffn", "tp", "pp", "seq", "micro-batch", "in-flight", "lora-rank"):
+    for flag in ("hidden", "layers", "heads", "ffn", "tp", "pp", "seq", "micro-batch", "in-flight", "lora-rank",
+                 "num-experts", "moe-ffn", "topk", "ep", "etp"):
         p.add_argument(f"--{flag}", type=int, default=getattr(d, flag.replace("-", "_")))
     p.add_argument("--moe", action="store_true", help="the MLPs are experts (fc1/fc2 never re-gather)")
     p.add_argument("--experts", choices=["sequential", "grouped"], default=d.experts,
                    help="with --moe: SequentialMLP or TEGroupedMLP experts (moe_grouped_gemm)")
+    p.add_argument("--dispatcher", choices=DISPATCHERS, default=d.dispatcher, help="moe_token_dispatcher_type")
+    p.add_argument("--no-share-expert-adapters", dest="share_expert_adapters", action="store_false",
+                   help="grouped experts: one LoRA pair per expert (share_expert_adapters=False)")
+    p.add_argument("--redispatch-expert-inputs", action="store_true",
+                   help="LoRA(redispatch_expert_inputs=True): per-expert fc1 inputs dispatched again in backward")
     p.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--strategy", default=d.strategy, help="gather | regather | lowrank")
@@ -594,7 +773,10 @@ def register(subparsers) -> None:
 
 def setup_from_args(args) -> Setup:
     return Setup(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, moe=args.moe,
-                 experts=args.experts,
+                 experts=args.experts, num_experts=args.num_experts, moe_ffn=args.moe_ffn, topk=args.topk,
+                 ep=args.ep, etp=args.etp, dispatcher=args.dispatcher,
+                 share_expert_adapters=args.share_expert_adapters,
+                 redispatch_expert_inputs=args.redispatch_expert_inputs,
                  tp=args.tp, pp=args.pp, sp=args.sp, seq=args.seq, micro_batch=args.micro_batch,
                  in_flight=args.in_flight, dtype=args.dtype, strategy=args.strategy, targets=tuple(args.targets),
                  lora_rank=args.lora_rank, use_nccl_ub=args.use_nccl_ub, cuda_graphs=args.cuda_graphs,

@@ -219,19 +219,20 @@ def test_built_selective_mlp_recompute_marks_what_came_from_the_rules():
     assert built == doctor.analytic_decisions(s)
 
 
-def test_moe_recompute_rules_expert_fc1_kept_fc2_rebuilt():
-    """Issue 16: an expert fc1 keeps the dispatched tokens, an expert fc2 rebuilds act x probs
-    (SequentialMLP's expert MLP, or TEGroupedMLP's activation); the MoE runs in tests/distributed/
-    test_moe.py check these sentences against the adapters' own decisions."""
+def test_moe_recompute_rules_expert_fc1_from_the_router_fc2_rebuilt():
+    """Issue 16: an expert fc1 input comes from the router's input — a shared grouped LoRA-A runs
+    before the dispatch, a per-expert one (SequentialMLP) needs the re-dispatch opt-in; an expert fc2
+    rebuilds act x probs (SequentialMLP's expert MLP, or TEGroupedMLP's activation). The MoE runs in
+    tests/distributed/test_moe.py check these sentences against the adapters' own decisions."""
     from regather.eligibility import IN_CHECKPOINT
-    from regather.producers import EXPERT_INPUT_KEPT
+    from regather.expert_inputs import PREDISPATCH, REDISPATCH_OPT_IN
 
     seq = doctor.analytic_decisions(Setup(moe=True, recompute_adapter_inputs=True))
     grouped = doctor.analytic_decisions(Setup(moe=True, experts="grouped", recompute_adapter_inputs=True,
                                               activation="swiglu"))
     for layer in (0, 1):
-        for d in (seq, grouped):
-            assert d[f"decoder.layers.{layer}.mlp.linear_fc1"]["recompute_reason"] == EXPERT_INPUT_KEPT
+        assert seq[f"decoder.layers.{layer}.mlp.linear_fc1"]["recompute_reason"] == REDISPATCH_OPT_IN
+        assert grouped[f"decoder.layers.{layer}.mlp.linear_fc1"]["recompute"] == PREDISPATCH
         assert seq[f"decoder.layers.{layer}.mlp.linear_fc2"]["recompute"] == "the MLP activation (gelu)"
         assert grouped[f"decoder.layers.{layer}.mlp.linear_fc2"]["recompute"] == \
             "the grouped experts' activation (silu, gated)"
@@ -245,4 +246,119 @@ def test_moe_recompute_rules_expert_fc1_kept_fc2_rebuilt():
     assert "keeps nothing" in only_fc2["decoder.layers.0.mlp.linear_fc2"]["recompute_reason"]
     assert only_fc2["decoder.layers.1.mlp.linear_fc2"]["recompute"] == "the MLP activation (gelu)"
     line = str(doctor.saving_finding(Setup(moe=True, recompute_adapter_inputs=True), seq))
-    assert "2 expert fc2 adapter(s) also recompute their input" in line
+    assert "0 MoE layer(s) of expert fc1 inputs" in line and "+ 2 of expert fc2 inputs" in line
+
+
+def _fc1(setup, layer=1):
+    d = doctor.analytic_decisions(setup)[f"decoder.layers.{layer}.mlp.linear_fc1"]
+    return d["recompute"], d["recompute_reason"]
+
+
+MOE_RC = Setup(moe=True, recompute_adapter_inputs=True, ep=2)
+
+
+def test_expert_fc1_rules_in_the_adapters_order():
+    """Per-expert without the opt-in first (no producer is attached), then megatron's checkpoint, then the
+    MoE layer's configuration (expert_inputs.static_reason), then the router's input needing grad."""
+    from dataclasses import replace
+
+    from regather.eligibility import IN_CHECKPOINT
+    from regather.estimate import ROUTER_KEEPS_NOTHING
+    from regather.expert_inputs import PREDISPATCH, REDISPATCH, REDISPATCH_OPT_IN
+
+    grouped = replace(MOE_RC, experts="grouped")
+    assert _fc1(grouped) == (PREDISPATCH, None)
+    assert _fc1(replace(grouped, share_expert_adapters=False)) == (None, REDISPATCH_OPT_IN)
+    assert _fc1(replace(grouped, share_expert_adapters=False, redispatch_expert_inputs=True)) == (REDISPATCH, None)
+    assert _fc1(replace(MOE_RC, redispatch_expert_inputs=True)) == (REDISPATCH, None)  # SequentialMLP
+    assert _fc1(replace(MOE_RC, share_expert_adapters=True)) == (None, REDISPATCH_OPT_IN)  # always per expert
+    full = dict(recompute_granularity="full", recompute_method="uniform")
+    assert _fc1(replace(MOE_RC, **full)) == (None, REDISPATCH_OPT_IN)  # the opt-in comes first
+    assert _fc1(replace(grouped, **full)) == (None, IN_CHECKPOINT)
+    assert _fc1(replace(grouped, recompute_granularity="selective", recompute_modules=("moe",))) == \
+        (None, IN_CHECKPOINT)
+    flex = _fc1(replace(grouped, dispatcher="flex"))[1]
+    assert flex.startswith("the 'flex' token dispatcher") and "cannot be replayed" in flex
+    assert _fc1(replace(grouped, cpu_offloading=True)) == \
+        (None, "CPU activation offloading is on (cpu_offloading=True)")
+    experts_only = replace(grouped, targets=("linear_fc1", "linear_fc2"))  # layer 0's router input: no grad
+    assert _fc1(experts_only, 0) == (None, ROUTER_KEEPS_NOTHING) and _fc1(experts_only, 1) == (PREDISPATCH, None)
+    assert _fc1(replace(experts_only, input_requires_grad=True), 0) == (PREDISPATCH, None)
+    with pytest.raises(ValueError, match="'deepep'"):
+        _fc1(replace(grouped, dispatcher="deepep"))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(redispatch_expert_inputs=True), dict(experts="grouped"),
+                                dict(experts="grouped", share_expert_adapters=False),
+                                dict(experts="grouped", targets=("linear_fc1", "linear_fc2")),
+                                dict(targets=("linear_fc1",), redispatch_expert_inputs=True, input_requires_grad=True)])
+def test_expert_fc1_rules_agree_with_estimate(kw):
+    from dataclasses import replace
+
+    from regather.estimate import expert_inputs
+
+    setup = replace(MOE_RC, **kw)
+    model, run = doctor._expert_estimate(setup)
+    want = [next((a.recomputed_from, a.kept_because) for a in row if a.target == "experts.linear_fc1")
+            for row in expert_inputs(model, run, "regather-recompute")]
+    assert [_fc1(setup, layer) for layer in range(setup.layers)] == want
+
+
+def test_redispatch_available_finding():
+    """SequentialMLP experts without the opt-in: each MoE layer keeps R*h*e; re-dispatching costs one
+    more all-to-all of the tokens per layer in backward. Here T = s*b/t = 32*2/2 = 32 tokens, top-2,
+    ETP 1: R = 64 rows, h = 64, bf16: R*h*e = 8,192 bytes per layer, 2 layers; all-to-all over EP 2:
+    T*k*h*e*(p-1)/p = 4,096 bytes per layer."""
+    from dataclasses import replace
+
+    (f,) = [f for f in diagnose(GOOD_ENV, MOE_RC) if f.code == "redispatch-available"]
+    assert f.level == "info" and "redispatch_expert_inputs=True" in f.fix
+    assert "2 per-expert linear_fc1 adapter(s) in 2 MoE layer(s)" in f.message
+    assert f"free {2 * 8192:,} bytes per GPU" in f.message and f"all_to_all {2 * 4096:,}" in f.message
+    for setup in (replace(MOE_RC, redispatch_expert_inputs=True), replace(MOE_RC, experts="grouped"),
+                  replace(MOE_RC, dispatcher="flex"),  # re-dispatch would be refused too: nothing to gain
+                  replace(MOE_RC, recompute_granularity="full", recompute_method="uniform"),
+                  replace(MOE_RC, recompute_adapter_inputs=False)):
+        assert "redispatch-available" not in codes(diagnose(GOOD_ENV, setup)), setup
+    # only layer 1 would gain where layer 0's router input needs no grad
+    (one,) = [f for f in diagnose(GOOD_ENV, replace(MOE_RC, targets=("linear_fc1", "linear_fc2")))
+              if f.code == "redispatch-available"]
+    assert "in 1 MoE layer(s)" in one.message and f"free {8192:,} bytes" in one.message
+
+
+def test_saving_counts_expert_adapters_exactly():
+    """Grouped experts with a shared LoRA-A: every expert fc1 and fc2 input is rebuilt. By hand (bf16,
+    s=32, b=2, h=64, t=2, top-2, ETP 1, moe_ffn 64): re-gather saves x_full - x_local = 4,096 bytes on
+    2 qkv adapters, layer 1's qkv recomputes its x_local (4,096), and each of the 2 MoE layers frees
+    R*h*e + R*moe_ffn*e = 64*64*2 + 64*64*2 bytes (R = 32*2*1 routed rows); the same as estimate's."""
+    from dataclasses import replace
+
+    from regather.estimate import adapter_input_bytes
+
+    setup = replace(MOE_RC, experts="grouped")
+    (saving,) = [f for f in diagnose(GOOD_ENV, setup) if f.code == "saving"]
+    expert = 2 * (64 * 64 * 2 + 64 * 64 * 2)
+    assert f"{2 * 4096 + 4096 + expert:,} bytes" in saving.message
+    assert "2 MoE layer(s) of expert fc1 inputs x 8,192 bytes" in saving.message
+    model, run = doctor._expert_estimate(setup)
+    gather, rc = adapter_input_bytes(model, run, "gather"), adapter_input_bytes(model, run, "regather-recompute")
+    assert sum(gather[k] - rc[k] for k in ("experts.linear_fc1", "experts.linear_fc2")) == expert
+    bad = [f for f in diagnose(GOOD_ENV, replace(setup, num_experts=3)) if f.code == "saving"][0]
+    assert "fc2 inputs in 2, not counted: 3 experts do not split over EP 2" in bad.message
+
+
+def test_cli_moe_flags(capsys, monkeypatch):
+    from regather.cli import main
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert main(["doctor", "--moe", "--experts", "grouped", "--no-share-expert-adapters", "--recompute-adapter-inputs",
+                 "--ep", "2", "--etp", "2", "--num-experts", "8", "--topk", "4", "--moe-ffn", "32",
+                 "--dispatcher", "allgather", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["share_expert_adapters"] is False and out["setup"]["dispatcher"] == "allgather"
+    (f,) = [f for f in out["findings"] if f["code"] == "redispatch-available"]
+    # allgather over EP x ETP = 4 ranks: T*g*h*e*(g-1)/g = 32*4*64*2*3/4 bytes per layer, 2 layers
+    assert f"all_gather {2 * 32 * 4 * 64 * 2 * 3 // 4:,}" in f["message"]
+    assert main(["doctor", "--moe", "--experts", "grouped", "--no-share-expert-adapters", "--recompute-adapter-inputs",
+                 "--redispatch-expert-inputs"]) == 0
+    assert "input recomputed from the router's input, dispatched again in backward" in capsys.readouterr().out
