@@ -24,14 +24,15 @@ import pytest
 import torch
 
 from regather.eligibility import EXPERT_REASON
+from regather.expert_inputs import REDISPATCH, REDISPATCH_OPT_IN
 from regather.testing.spawn_groups import SpawnGroups
 
 from integration_checks import same
-from workers_moe_ddp import CASES, WORLD, run_case
+from workers_moe_ddp import CASES, SPEC, WORLD, run_case
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
-# one spawn per case (the overlapped case ~60 s on 2 cores; the sync one less)
+# one spawn per case (the overlapped case ~60 s on 2 cores; the others less)
 RUNS = SpawnGroups(run_case, WORLD, [[c] for c in CASES], timeout=300)
 # lowrank against gather: tests/distributed/test_moe.py's fp32 bound (norm-relative per tensor;
 # lowrank replicates LoRA-A and sums dA over TP in another order, and the routing of two steps
@@ -56,10 +57,31 @@ def _expert(name: str) -> bool:
 
 @pytest.mark.parametrize("case,strategy", RUNS_OF, ids=[f"{c}-{s}" for c, s in RUNS_OF])
 def test_trains(case, strategy):
+    pipelined = SPEC.get(case, {}).get("pp", 1) > 1
     for res in results(case, strategy):
-        losses = [x for step in res["loss"] for x in step]
-        assert losses and all(torch.isfinite(torch.tensor(losses))), res["loss"]
-        assert res["schedule"] == "forward_backward_no_pipelining"
+        losses = [x for step in res["loss"] if step for x in step]
+        if res["coords"]["pp"] == (1 if pipelined else 0):  # the last stage computes the loss
+            assert losses and all(torch.isfinite(torch.tensor(losses))), res["loss"]
+        assert res["schedule"] == ("forward_backward_pipelining_without_interleaving" if pipelined
+                                   else "forward_backward_no_pipelining")
+
+
+@pytest.mark.parametrize("strategy", ["regather-rc", "regather-rc-rd"])
+def test_pipeline_stages_rebuild_expert_inputs(strategy):
+    """Under 1F1B each stage has up to two micro-batches in flight; every expert fc1 input is still
+    rebuilt (re-dispatched from its own forward's routing: bit-exact, test_against_gather) or, without
+    the opt-in, kept with the reason; expert fc2 inputs are rebuilt on both stages."""
+    stages = set()
+    for res in results("pp2_1f1b", strategy):
+        stages.add(res["coords"]["pp"])
+        fc1 = [d for p, d in res["decisions"].items() if _expert(p) and p.endswith("linear_fc1")]
+        fc2 = [d for p, d in res["decisions"].items() if _expert(p) and p.endswith("linear_fc2")]
+        assert fc1 and fc2
+        want = (f"input recomputed from {REDISPATCH}" if strategy.endswith("-rd")
+                else f"input kept (recompute asked: {REDISPATCH_OPT_IN})")
+        assert all(d.endswith(want) for d in fc1), fc1
+        assert all(", input recomputed from the MLP activation" in d for d in fc2), fc2
+    assert stages == {0, 1}
 
 
 @pytest.mark.parametrize("case,strategy", COMPARED, ids=[f"{c}-{s}" for c, s in COMPARED])

@@ -290,8 +290,8 @@ class TrainSpec:
         if not moe and (self.ep != 1 or self.etp is not None):
             raise ValueError(f"TrainSpec(ep={self.ep}, etp={self.etp}): expert parallelism needs a TinyMoE shape, "
                              f"got {type(self.shape).__name__}")
-        if moe and self.pp != 1:
-            raise ValueError(f"TrainSpec(pp={self.pp}): the MoE builder here has no pipeline stages; use pp=1")
+        if moe and self.vpp is not None:
+            raise ValueError(f"TrainSpec(vpp={self.vpp}): the MoE builder here has no virtual pipeline stages")
 
     @property
     def p2p_batched(self) -> bool:
@@ -373,13 +373,13 @@ def build_model_chunks(spec: TrainSpec) -> list:
         overrides.update(pipeline_model_parallel_size=spec.pp,
                          virtual_pipeline_model_parallel_size=spec.vpp)
     chunks = []
-    if isinstance(spec.shape, TinyMoE):  # one stage, one chunk (TrainSpec checks)
+    if isinstance(spec.shape, TinyMoE):  # one chunk per stage (TrainSpec checks)
         from regather.testing.moe_models import build_moe_gpt
 
         model = build_moe_gpt(spec.shape, spec.tp, spec.ep, spec.etp, torch.float32, seed=spec.seed,
                               init_parallel=False, gradient_accumulation_fusion=spec.gradient_accumulation_fusion,
-                              **overrides)
-        return [_adapt(model, spec, stage=0)]
+                              pre_process=pp_rank == 0, post_process=pp_rank == spec.pp - 1, **overrides)
+        return [_adapt(model, spec, stage=pp_rank)]
     for vp in range(chunks_per_stage):
         model = build_gpt(
             spec.shape, spec.tp, True, torch.float32, seed=spec.seed,
