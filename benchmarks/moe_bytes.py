@@ -9,6 +9,10 @@ adapter keeps ``routed tokens x input width x element size``). Printed per rank 
 
     .venv/bin/python benchmarks/moe_bytes.py                          # TP2+SP x EP2, SequentialMLP
     .venv/bin/python benchmarks/moe_bytes.py --ep 1 --etp 2 --experts grouped
+
+``regather bench --moe`` measures the same bytes (mean over the ranks and per rank, every variant
+starting from the same full weights) with the communication, step times and parity of a few
+training steps, and the ``-recompute-redispatch`` variants (regather.bench.moe).
 """
 
 from __future__ import annotations
@@ -26,12 +30,10 @@ VARIANTS = {
 
 
 def kind(path: str) -> str:
-    linear = path.rsplit(".", 1)[1]
-    if ".experts." in path:
-        return f"expert {linear}"
-    if ".shared_experts." in path:
-        return f"shared expert {linear}"
-    return linear
+    """``linear_qkv``, ``expert linear_fc1``, ``shared expert linear_fc2``, ... (the table's rows)."""
+    from regather.testing.moe_train import adapter_kind
+
+    return adapter_kind(path).replace("shared_experts.", "shared expert ").replace("experts.", "expert ")
 
 
 def _rank(rank, world, args):
@@ -42,6 +44,7 @@ def _rank(rank, world, args):
     from regather.accounting import ADAPTER_INPUT
     from regather.testing.models import gpt_batch, gpt_loss
     from regather.testing.moe_models import TinyMoE, build_moe_gpt
+    from regather.testing.moe_train import record_routed
     from regather.testing.train import AdapterSavedBytes
 
     shape = TinyMoE(experts=args.experts, dispatcher=args.dispatcher, topk=args.topk, seq_length=args.seq)
@@ -52,15 +55,7 @@ def _rank(rank, world, args):
         torch.manual_seed(99)
         LoRA(dim=args.rank, alpha=2 * args.rank, sequence_parallel_input_strategy=strategy, **extra)(model)
         tokens = {}
-
-        def count(mod, a, out, _tokens=tokens):  # returns None: the experts' output stays theirs
-            _tokens.setdefault(mod.regather_path, [int(x) for x in a[1]])
-
-        handles = []
-        for n, m in model.named_modules():
-            if n.endswith("mlp.experts"):
-                m.regather_path = n
-                handles.append(m.register_forward_hook(count))
+        handles = record_routed(model, tokens)  # per MoE layer, one list per forward (one here)
         batch = gpt_batch(shape, args.micro_batch, seed=0)
         with AdapterSavedBytes(model) as saved:
             gpt_loss(model, batch).backward()
@@ -70,7 +65,7 @@ def _rank(rank, world, args):
         for path, n in saved.by_adapter.items():
             by_kind[kind(path)] = by_kind.get(kind(path), 0) + n
         rows[name] = {**by_kind, "all adapter inputs": saved.of(ADAPTER_INPUT), "retained total": saved.total}
-        routed = tokens
+        routed = {layer: forwards[0] for layer, forwards in tokens.items()}
     coords = (f"tp {ps.get_tensor_model_parallel_rank()}, ep {ps.get_expert_model_parallel_rank()}, "
               f"etp {ps.get_expert_tensor_parallel_rank()}")
     return {"coords": coords, "rows": rows, "routed": routed}

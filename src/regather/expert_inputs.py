@@ -46,6 +46,7 @@ recompute of ``moe``, "pre" dropout, a router whose input needs no gradient (it 
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Optional
 
@@ -114,7 +115,8 @@ class MoEForward:
     def __init__(self, route, x_live: torch.Tensor, kept: torch.Tensor, dispatched: torch.Tensor,
                  counts: Optional[dict] = None):
         self.route = route
-        self.counts = counts if counts is not None else {}  # the layer's re-dispatches, by when they started
+        # the layer's re-dispatches by when they started, and the seconds backward waited for them
+        self.counts = counts if counts is not None else {}
         self.x_live = x_live  # the layer input [T, h] with its autograd history (shared A)
         self.kept = kept  # the router's saved tensor viewed as [T, h] (no history)
         self._dispatched = weakref.ref(dispatched)
@@ -159,7 +161,9 @@ class MoEForward:
                 self._resend = self.route.start(kept)
                 self._left = self.consumers
                 self.counts["late"] = self.counts.get("late", 0) + 1
+            t0 = time.perf_counter()
             self._rows, self._resend = self._resend.wait(), None
+            self.counts["wait_s"] = self.counts.get("wait_s", 0.0) + time.perf_counter() - t0
         out = self._rows[rows]
         self._left -= 1
         if self._left <= 0:  # every adapter of this forward has its rows: free the tokens
@@ -223,7 +227,8 @@ class ExpertInputs:
         self.current: Optional[MoEForward] = None
         self.reason: Optional[str] = None  # why this forward has no MoEForward
         # re-dispatches in backward: "early" (started when the experts' output gradient arrived,
-        # overlapping their backward) or "late" (started by the first adapter that needed them)
+        # overlapping their backward) or "late" (started by the first adapter that needed them), and
+        # "wait_s": the seconds the adapters' backward waited for them to arrive
         self.resends: dict = {}
         self._clear()
         moe.register_forward_pre_hook(self._layer_input, prepend=True)

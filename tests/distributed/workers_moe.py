@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from regather.testing.moe_models import GlobalLayout, TinyMoE, build_moe_gpt, full_weights
+from regather.testing.moe_train import record_routed, reduce_like_ddp
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # variant -> (strategy, LoRA overrides); the "-rc" ones with recompute_adapter_inputs
@@ -156,32 +157,6 @@ def _step(model, micro_batches: list, first=None, schedule: str = "step", out: O
     return sum(losses) / len(losses)
 
 
-def reduce_like_ddp(params: dict) -> None:
-    """megatron DDP's gradient reduction: dense over DP, expert (``allreduce=False``) over expert
-    DP, each scaled by 1 / DP."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    dp = ps.get_data_parallel_world_size()
-    for p in params.values():
-        if p.grad is None:
-            continue
-        group = ps.get_data_parallel_group() if getattr(p, "allreduce", True) else ps.get_expert_data_parallel_group()
-        dist.all_reduce(p.grad, group=group)
-        p.grad /= dp
-
-
-def _tokens_per_expert(model, store: dict) -> list:
-    """Record each MoE layer's ``tokens_per_expert`` (local experts, this rank) per forward."""
-    handles = []
-    for name, module in model.named_modules():
-        if name.endswith("mlp.experts"):
-            def hook(mod, args, out, _n=name):
-                store.setdefault(_n, []).append([int(n) for n in args[1].tolist()])
-            handles.append(module.register_forward_hook(hook))
-    return handles
-
-
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)
@@ -213,7 +188,7 @@ def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> di
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD(named.values(), lr=case.lr)
         routed: dict = {}
-        handles = _tokens_per_expert(model, routed)
+        handles = record_routed(model, routed)
         out = {"loss": [], "before": {p: str(d) for p, d in decisions(model).items()}}
         for step, micro_batches in enumerate(batches(case)):
             opt.zero_grad(set_to_none=True)
@@ -245,8 +220,8 @@ def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> di
         out["adapter_dims"] = {p: a.dim for p, a in adapters(model).items()}
         out["allreduce"] = {n: getattr(p, "allreduce", True) for n, p in named.items()}
         out["routed"] = routed
-        out["resends"] = {n: dict(m._regather_expert_inputs.resends) for n, m in model.named_modules()
-                          if getattr(m, "_regather_expert_inputs", None) is not None}
+        out["resends"] = {n: {k: v for k, v in m._regather_expert_inputs.resends.items() if k != "wait_s"}
+                          for n, m in model.named_modules() if getattr(m, "_regather_expert_inputs", None) is not None}
         out["ep_rank"], out["etp_rank"] = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
         out["tp_rank"], out["dp_rank"] = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
         out["param_names"] = sorted(n for n, _ in model.named_parameters())

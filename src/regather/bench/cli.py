@@ -7,20 +7,27 @@ Example (the committed CPU runs: the commands are in benchmarks/results/*/bench.
 Strategies: every one this build implements, and the variants of
 ``regather.testing.train.VARIANTS`` (``regather-plain``, ``regather-recompute``,
 ``lowrank-recompute``, ``gather-recompute``).
+
+``--moe`` measures a tiny MoE GPT on megatron's own MoE layers instead (:mod:`regather.bench.moe`),
+with the ``<strategy>-recompute-redispatch`` variants too::
+
+    regather bench --moe --tp 2 --ep 2 --experts sequential --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
 
+from regather.bench.moe import DEFAULT_VARIANTS, DISPATCHERS, EXPERT_KINDS, MoEBenchSpec
 from regather.bench.runner import DEFAULT_TARGETS, BenchSpec
 from regather.canonical import CANONICAL_TARGETS
 
 
 def _strategies(value: str) -> tuple:
     from regather.bench.runner import available_strategies
+    from regather.testing.moe_train import moe_variants
 
-    known = available_strategies()
+    known = list(dict.fromkeys(available_strategies() + moe_variants()))  # --moe has -recompute-redispatch
     names = tuple(v.strip().lower() for v in value.split(",") if v.strip())
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -70,10 +77,35 @@ def register(subparsers) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress line")
     g.add_argument("--render", metavar="JSON", help="run nothing: print and re-write (with --out) the reports "
                    "of an earlier bench.json")
+    m, dm = p.add_argument_group("mixture of experts (--moe; ranks = max(tp, ep x etp))"), MoEBenchSpec()
+    m.add_argument("--moe", action="store_true",
+                   help="a tiny MoE GPT on megatron's MoE layers (router, token dispatcher, experts); variants "
+                        "also <strategy>-recompute-redispatch (default: " + ",".join(DEFAULT_VARIANTS) + ")")
+    m.add_argument("--experts", choices=EXPERT_KINDS, default=dm.experts,
+                   help="SequentialMLP (an adapter per expert) or TEGroupedMLP on the TE stand-ins")
+    m.add_argument("--per-expert", action="store_true",
+                   help="grouped experts: one LoRA pair per local expert (share_expert_adapters=False)")
+    m.add_argument("--ep", type=int, default=dm.ep, help="expert-parallel size")
+    m.add_argument("--etp", type=int, default=dm.etp, help="expert tensor-parallel size")
+    m.add_argument("--dispatcher", choices=DISPATCHERS, default=dm.dispatcher)
+    m.add_argument("--num-experts", type=int, default=dm.num_experts)
+    m.add_argument("--topk", type=int, default=dm.topk)
+    m.add_argument("--moe-ffn", type=int, default=dm.moe_ffn, help="each expert's ffn hidden size")
+    m.add_argument("--shared-expert-ffn", type=int, default=dm.shared_expert_ffn, help="0: no shared expert")
+    m.add_argument("--moe-layer-freq", type=int, default=dm.moe_layer_freq,
+                   help="every n-th layer is MoE, the others dense (--ffn)")
     p.set_defaults(func=main)
 
 
 def spec_from_args(args) -> BenchSpec:
+    from regather.bench.runner import available_strategies
+
+    if getattr(args, "moe", False):
+        return moe_spec_from_args(args)
+    only_moe = [s for s in args.strategies or () if s not in available_strategies()]
+    only_moe += [f"--{n.replace('_', '-')}" for n in _MOE_OPTIONS if getattr(args, n, None) != getattr(MoEBenchSpec, n)]
+    if only_moe:
+        raise SystemExit(f"regather bench: {', '.join(only_moe)}: MoE models only (--moe)")
     if args.steps <= args.warmup:
         raise SystemExit(f"regather bench: --steps ({args.steps}) must exceed --warmup ({args.warmup})")
     targets = args.targets
@@ -89,24 +121,44 @@ def spec_from_args(args) -> BenchSpec:
                      timeout=args.timeout, quiet=args.quiet, input_requires_grad=args.input_requires_grad)
 
 
+_MOE_OPTIONS = ("ep", "etp", "experts", "per_expert", "dispatcher", "num_experts", "topk", "moe_ffn",
+                "shared_expert_ffn", "moe_layer_freq")
+
+
+def moe_spec_from_args(args) -> MoEBenchSpec:
+    """The ``--moe`` spec; exits with every problem of the combination given."""
+    names = ("kv_heads", "hidden", "layers", "heads", "ffn", "vocab", "tp", "seq", "micro_batch", "dtype",
+             "lora_rank", "lora_alpha", "canonical", "steps", "warmup", "timeout", "quiet",
+             "input_requires_grad") + _MOE_OPTIONS
+    targets = args.targets if args.targets is not None else DEFAULT_TARGETS
+    spec = MoEBenchSpec(**{n: getattr(args, n) for n in names}, targets=tuple(targets),
+                        strategies=tuple(args.strategies or ()))
+    problems = spec.problems()
+    if problems:
+        raise SystemExit("regather bench --moe: " + "; ".join(problems))
+    return spec
+
+
 def main(args) -> int:
-    from regather.bench import report, runner
+    from regather.bench import moe, moe_report, report, runner
 
     if args.render:
         import json
 
         with open(args.render) as f:
             summary = json.load(f)
-        print(report.text_table(summary))
-        for path in report.write(summary, args.out) if args.out else ():
+        shown = moe_report if summary.get("mode") == "moe" else report
+        print(shown.text_table(summary))
+        for path in shown.write(summary, args.out) if args.out else ():
             print(f"wrote {path}")
         return 0
     spec = spec_from_args(args)
-    summary = runner.run(spec)
-    summary["command"] = report.command_line(summary["spec"], args.out)
+    shown = moe_report if isinstance(spec, MoEBenchSpec) else report
+    summary = (moe if shown is moe_report else runner).run(spec)
+    summary["command"] = shown.command_line(summary["spec"], args.out)
     summary["env"] = report.environment()
-    print(report.text_table(summary))
+    print(shown.text_table(summary))
     if args.out:
-        for path in report.write(summary, args.out):
+        for path in shown.write(summary, args.out):
             print(f"wrote {path}")
     return 0

@@ -170,19 +170,26 @@ def _spec_line(spec: dict) -> str:
             + ("; CanonicalLoRA, gated SwiGLU MLP" if spec.get("canonical") else ""))
 
 
-def markdown(summary: dict) -> str:
-    env, spec = summary["env"], summary["spec"]
+def header(summary: dict, title: str, ranks: int, spec_line: str) -> list[str]:
+    """The report's first lines: the command, hardware, software, model and wall time."""
+    env = summary["env"]
     hw = f"{env['cpu_count']} x {env['cpu']}" + (f", GPU {env['gpu']}" if env.get("gpu") else "")
-    lines = [
-        "# regather bench",
+    return [
+        f"# {title}",
         "",
         f"- command: `{summary['command']}`",
-        f"- hardware: {hw}; backend {summary['backend']}, {spec['tp']} ranks",
+        f"- hardware: {hw}; backend {summary['backend']}, {ranks} ranks",
         f"- software: Python {env['python']}, torch {env['torch']}, megatron-core {env['megatron_core']}, "
         f"regather {env.get('git', 'unknown')}",
-        f"- model/run: {_spec_line(spec)}",
+        f"- model/run: {spec_line}",
         f"- wall time: {summary['wall_seconds']:.0f} s",
         "",
+    ]
+
+
+def markdown(summary: dict) -> str:
+    spec = summary["spec"]
+    lines = header(summary, "regather bench", spec["tp"], _spec_line(spec)) + [
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join("---" if i == 0 or i == len(HEADER) - 1 else "---:" for i in range(len(HEADER))) + "|",
     ]
@@ -257,13 +264,15 @@ def chart(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
-def write(summary: dict, out_dir: str) -> list[str]:
-    """Write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir``."""
+def write(summary: dict, out_dir: str, markdown_of=markdown, chart_of=chart) -> list[str]:
+    """Write ``bench.json``, ``bench.md`` and (with ``chart_of``) ``bench.png`` into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, n) for n in ("bench.json", "bench.md", "bench.png")]
     with open(paths[0], "w") as f:
         json.dump(summary, f, indent=1)
     with open(paths[1], "w") as f:
-        f.write(markdown(summary))
-    chart(summary, paths[2])
+        f.write(markdown_of(summary))
+    if chart_of is None:
+        return paths[:2]
+    chart_of(summary, paths[2])
     return paths

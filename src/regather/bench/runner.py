@@ -151,25 +151,11 @@ def run(spec: BenchSpec) -> dict:
 # -- summary -------------------------------------------------------------------------
 
 
-def _aligned(grad, ref, rank: int, tp: int):
-    """``grad`` in ``ref``'s layout: a replicated weight is cut to this rank's shard."""
-    if grad.shape == ref.shape:
-        return grad
-    for dim in range(grad.dim()):
-        if grad.shape[dim] == ref.shape[dim] * tp:
-            shard = grad.chunk(tp, dim=dim)[rank]
-            if shard.shape == ref.shape:
-                return shard
-    raise ValueError(f"gradient shapes {tuple(grad.shape)} and {tuple(ref.shape)} do not correspond")
-
-
 def grad_difference(grads: dict, ref: dict, rank: int, tp: int) -> tuple[float, float]:
     """Largest absolute difference over all LoRA gradients, and it relative to max |ref|."""
-    worst, scale = 0.0, 0.0
-    for name, g in ref.items():
-        other = _aligned(grads[name], g, rank, tp)
-        worst = max(worst, (other.double() - g.double()).abs().max().item())
-        scale = max(scale, g.double().abs().max().item())
+    from regather.testing.train import grad_gap
+
+    worst, scale = grad_gap(grads, ref, rank, tp)
     return worst, (worst / scale if scale else 0.0)
 
 

@@ -354,3 +354,27 @@ def compare_strategies(
         res["median_step_time"] = statistics.median(times)
         res["config"] = asdict(dataclasses.replace(cfg, strategy=name))
     return out
+
+
+def aligned_grad(grad: torch.Tensor, ref: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """``grad`` in ``ref``'s layout: a weight one strategy replicates over TP and the other shards
+    (lowrank's LoRA-A) is cut to this TP rank's shard."""
+    if grad.shape == ref.shape:
+        return grad
+    for dim in range(grad.dim()):
+        if grad.shape[dim] == ref.shape[dim] * tp:
+            shard = grad.chunk(tp, dim=dim)[rank]
+            if shard.shape == ref.shape:
+                return shard
+    raise ValueError(f"gradient shapes {tuple(grad.shape)} and {tuple(ref.shape)} do not correspond")
+
+
+def grad_gap(grads: dict, ref: dict, rank: int, tp: int) -> tuple[float, float]:
+    """Largest ``|grad - ref|`` over every LoRA gradient of this rank (:func:`aligned_grad`), and the
+    largest ``|ref|``."""
+    worst, scale = 0.0, 0.0
+    for name, g in ref.items():
+        other = aligned_grad(grads[name], g, rank, tp)
+        worst = max(worst, (other.double() - g.double()).abs().max().item())
+        scale = max(scale, g.double().abs().max().item())
+    return worst, scale
