@@ -226,3 +226,40 @@ def test_moe_options_need_moe(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["bench", "--moe", "--strategies", "regather-nonsense"])
     assert "unknown strategies" in capsys.readouterr().err
+
+
+# -- regather estimate agrees with the measurement -----------------------------------------------------
+
+
+def _estimate(summary):
+    """``regather estimate`` for the benchmarked model and run, every measured variant: the bench's
+    ``<strategy>-recompute-redispatch`` is estimate's ``<strategy>-recompute`` with ``redispatch``."""
+    from regather.estimate import Model, Run, estimate
+
+    s = summary["spec"]
+    model = Model("tiny MoE", hidden=s["hidden"], layers=s["layers"], heads=s["heads"], ffn=0,
+                  experts=s["num_experts"], moe_ffn=s["moe_ffn"], topk=s["topk"])
+    out = {}
+    for name in summary["strategies"]:
+        redispatch = name.endswith("-redispatch")
+        base = name[: -len("-redispatch")] if redispatch else name
+        run = Run(tp=s["tp"], seq=s["seq"], micro_batch=s["micro_batch"], dtype=s["dtype"], lora_rank=s["lora_rank"],
+                  targets=tuple(s["targets"]), ep=s["ep"], etp=s["etp"], dispatcher=s["dispatcher"],
+                  expert_lora="shared" if s["experts"] == "grouped" and not s.get("per_expert") else "per-expert",
+                  redispatch=redispatch, input_requires_grad=bool(s.get("input_requires_grad")))
+        out[name] = (estimate(model, run, (base,))[base])
+    return out
+
+
+@pytest.mark.parametrize("which", ["sequential", "grouped"])
+def test_estimate_agrees_byte_for_byte(which, request):
+    """The adapter-input bytes by target (expert rows: the mean over the EP ranks, which estimate models
+    exactly for dropless routing) and the collective bytes each variant adds to gather per step, by kind."""
+    summary, _ = request.getfixturevalue(which)
+    for name, e in _estimate(summary).items():
+        row = summary["strategies"][name]
+        measured = {k: v for k, v in row["adapter_input_by_kind_mean"].items() if v}
+        assert measured == {k: v for k, v in e["adapter_input_by_target"].items() if v}, name
+        assert row["adapter_input_bytes_mean"] == e["adapter_input_bytes"], name
+        counted = {k: v for k, v in row["comm_bytes_extra_vs_gather"].items() if v}
+        assert counted == {k: v for k, v in e["extra_comm_bytes"].items() if v}, name
