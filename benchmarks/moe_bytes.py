@@ -26,6 +26,8 @@ VARIANTS = {
     "gather-rc": ("gather", {"recompute_adapter_inputs": True}),
     "regather-rc": ("regather", {"recompute_adapter_inputs": True}),
     "lowrank-rc": ("lowrank", {"recompute_adapter_inputs": True}),
+    # per-expert LoRA-A inputs dispatched again in backward (a shared grouped LoRA-A needs no opt-in)
+    "regather-rc-rd": ("regather", {"recompute_adapter_inputs": True, "redispatch_expert_inputs": True}),
 }
 
 

@@ -125,6 +125,7 @@ class MoEForward:
         self.consumers = 0  # adapters that read re-dispatched rows in backward
         self._left = 0
         self._resend = None
+        self._started = 0.0
         self._rows: Optional[torch.Tensor] = None
 
     def rows_of(self, x: torch.Tensor) -> "slice | str":
@@ -151,6 +152,7 @@ class MoEForward:
     def start(self, *_):
         """Send the router's input along the route again (the experts' output gradient arrived)."""
         if self._resend is None and self._rows is None and self.kept is not None and self.consumers:
+            self._started = time.perf_counter()
             self._resend = self.route.start(self.kept)
             self._left = self.consumers
             self.counts["early"] = self.counts.get("early", 0) + 1
@@ -158,12 +160,15 @@ class MoEForward:
     def rows(self, kept: torch.Tensor, rows: slice) -> torch.Tensor:
         if self._rows is None:
             if self._resend is None:  # the experts' output gradient hook did not run (e.g. no consumer then)
+                self._started = time.perf_counter()
                 self._resend = self.route.start(kept)
                 self._left = self.consumers
                 self.counts["late"] = self.counts.get("late", 0) + 1
             t0 = time.perf_counter()
             self._rows, self._resend = self._resend.wait(), None
-            self.counts["wait_s"] = self.counts.get("wait_s", 0.0) + time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.counts["wait_s"] = self.counts.get("wait_s", 0.0) + t1 - t0  # backward blocked
+            self.counts["flight_s"] = self.counts.get("flight_s", 0.0) + t1 - self._started  # start to rows
         out = self._rows[rows]
         self._left -= 1
         if self._left <= 0:  # every adapter of this forward has its rows: free the tokens
@@ -228,7 +233,8 @@ class ExpertInputs:
         self.reason: Optional[str] = None  # why this forward has no MoEForward
         # re-dispatches in backward: "early" (started when the experts' output gradient arrived,
         # overlapping their backward) or "late" (started by the first adapter that needed them), and
-        # "wait_s": the seconds the adapters' backward waited for them to arrive
+        # "wait_s": the seconds the adapters' backward waited for them to arrive, "flight_s": from their
+        # start to their arrival (the part of it not waited for overlapped the experts' backward)
         self.resends: dict = {}
         self._clear()
         moe.register_forward_pre_hook(self._layer_input, prepend=True)

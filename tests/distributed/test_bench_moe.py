@@ -123,9 +123,10 @@ def test_redispatch_sends_one_more_h_wide_dispatch(sequential):
             assert got == want, (rank, step, got, want)
             per_step.append(want["all_to_all"])
         # every layer re-dispatched once per forward, started when the experts' output gradient arrived
-        counts = {layer: {k: v for k, v in c.items() if k != "wait_s"} for layer, c in rd["redispatches_per_rank"][rank].items()}
+        per_layer = rd["redispatches_per_rank"][rank]
+        counts = {layer: {k: v for k, v in c.items() if not k.endswith("_s")} for layer, c in per_layer.items()}
         assert counts == {f"decoder.layers.{i}.mlp": {"early": steps} for i in range(LAYERS)}
-        assert all(c["wait_s"] >= 0 for c in rd["redispatches_per_rank"][rank].values())
+        assert all(0 <= c["wait_s"] <= c["flight_s"] for c in per_layer.values()), per_layer
     mean = sum(per_step) / len(per_step)
     assert {k: v for k, v in rd["comm_bytes_extra_vs_base"].items() if v} == {"all_to_all": mean}
     assert summary["dispatch_bytes_per_step_mean"]["h_wide"] == mean

@@ -73,15 +73,18 @@ def _ratio(r: dict, what: str) -> str:
 
 def _resends(r: dict, steps: int) -> str:
     """Re-dispatches by when they started (early: when the experts' output gradient arrived, so the
-    experts' backward overlaps them) and the backward time spent waiting for them, per step (rank 0)."""
+    experts' backward overlaps them), their time from start to arrival and the part of it backward
+    waited for, per step (rank 0)."""
     total: dict = {}
     for counts in (r.get("redispatches") or {}).values():
         for when, n in counts.items():
             total[when] = total.get(when, 0) + n
     if not total:
         return "-"
-    return (f"{total.get('early', 0)} early / {total.get('late', 0)} late, "
-            f"waited {total.get('wait_s', 0.0) / steps * 1e3:.2f} ms/step")
+    flight, wait = total.get("flight_s", 0.0), total.get("wait_s", 0.0)
+    hidden = f", {1 - wait / flight:.0%} hidden" if flight > 0 else ""
+    return (f"{total.get('early', 0)} early / {total.get('late', 0)} late, in flight "
+            f"{flight / steps * 1e3:.2f} ms/step, waited {wait / steps * 1e3:.2f}{hidden}")
 
 
 def comm_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
