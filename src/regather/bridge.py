@@ -13,7 +13,8 @@ checks such as Bridge's LoRA-aware FLOP count, ``params_to_save`` /
 ``PEFT.__call__(model, training)`` on a module or a list of model chunks all come
 from Bridge), plus regather's fields ``sequence_parallel_input_strategy``
 ("gather" | "regather" | "lowrank"), ``early_regather``,
-``lowrank_grad_allreduce`` and ``share_sequence_gather`` (see :class:`regather.LoRA`).
+``lowrank_grad_allreduce``, ``share_sequence_gather``, ``recompute_adapter_inputs`` and
+``redispatch_expert_inputs`` (see :class:`regather.LoRA`).
 
 Only :meth:`LoRA.transform` differs: a megatron column- or row-parallel linear
 that Bridge's matcher selects (``target_modules``, wildcards, or Bridge's
@@ -61,7 +62,7 @@ from torch import nn
 from regather.adapter import ParallelLinearAdapter
 from regather.lora import LoRA as _RegatherLoRA
 from regather import experts
-from regather.lora import LoRALinear, _is_parallel_linear, finish_wrapping
+from regather.lora import LoRALinear, _is_parallel_linear, attach_producers, finish_wrapping
 
 __all__ = ["LoRA", "BridgeLoRA"]
 
@@ -80,6 +81,10 @@ class LoRA(BridgeLoRA):
     lowrank_grad_allreduce: str = "backward"
     # one forward gather / backward reduce-scatter for a frozen ColumnParallelLinear and its adapter.
     share_sequence_gather: bool = False
+    # rebuild adapter inputs in backward from what their producers keep (regather.producers; MoE
+    # experts: regather.expert_inputs), and per-expert LoRA-A inputs by re-dispatching the router's input
+    recompute_adapter_inputs: bool = False
+    redispatch_expert_inputs: bool = False
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
@@ -103,6 +108,8 @@ class LoRA(BridgeLoRA):
             early_regather=self.early_regather,
             lowrank_grad_allreduce=self.lowrank_grad_allreduce,
             share_sequence_gather=self.share_sequence_gather,
+            recompute_adapter_inputs=self.recompute_adapter_inputs,
+            redispatch_expert_inputs=self.redispatch_expert_inputs,
             share_expert_adapters=self.share_expert_adapters,
             normalize_moe_lora=self.normalize_moe_lora,
         )
@@ -110,10 +117,13 @@ class LoRA(BridgeLoRA):
     def __call__(self, model, training: bool = True):
         """Bridge's ``PEFT.__call__`` (validate matches, freeze, walk ``transform``, set the mode),
         after re-validating the fields (recipes set them after construction)."""
-        self.regather_config()
+        config = self.regather_config()
         model = super().__call__(model, training=training)
         for chunk in model if isinstance(model, list) else [model]:
-            finish_wrapping(getattr(chunk, "module", chunk))
+            chunk = getattr(chunk, "module", chunk)
+            if config.recompute_adapter_inputs:  # after every wrap: producers hook the final modules
+                attach_producers(chunk)
+            finish_wrapping(chunk)
         return model
 
     def transform(self, module: nn.Module, name: Optional[str] = None, prefix: Optional[str] = None) -> nn.Module:

@@ -4,7 +4,9 @@ top-2, fp32), two SGD steps from the same full weights on 2 gloo ranks, and the 
 TP = EP = ETP = 1 on one rank.
 
 - TP2+SP x EP2 (ETP1): Bridge's LoRA (with and without its regather) and regather.bridge's gather
-  and regather paths are bit-identical: losses, every LoRA gradient, weights after the steps.
+  and regather paths are bit-identical: losses, every LoRA gradient, weights after the steps; so is
+  regather.bridge with ``recompute_adapter_inputs`` and ``redispatch_expert_inputs``, whose expert
+  adapters keep no input (issue 16).
 - TP2 x ETP2 (EP1, the experts split over the TP ranks): regather.bridge matches the one-rank
   reference (the tolerance of test_moe.py); Bridge's expert adapters compute other deltas — its
   loss and expert gradients are far from the reference (measured: loss 5.6117 against 5.6205,
@@ -36,7 +38,8 @@ if bridge_available():
     from workers_moe import Case
 
     CASES = {
-        "tp2_ep2": Case(ep=2, etp=1, variants=("bridge", "bridge-regather", "rb-gather", "rb-regather")),
+        "tp2_ep2": Case(ep=2, etp=1, variants=("bridge", "bridge-regather", "rb-gather", "rb-regather",
+                                               "rb-regather-rc-rd")),
         "tp2_etp2": Case(ep=1, etp=2, variants=("bridge", "rb-gather", "rb-regather")),
     }
 else:  # collected, then skipped
@@ -67,7 +70,7 @@ def test_bit_identical_to_bridge_at_etp1():
     for rank, r in enumerate(runs()):
         ref = r["tp2_ep2"]["bridge"]
         assert any(".experts." in n for n in ref["grads"])
-        for v in ("bridge-regather", "rb-gather", "rb-regather"):
+        for v in ("bridge-regather", "rb-gather", "rb-regather", "rb-regather-rc-rd"):
             run = r["tp2_ep2"][v]
             assert run["loss"] == ref["loss"], (rank, v)
             assert run["param_names"] == ref["param_names"], (rank, v)
@@ -75,6 +78,21 @@ def test_bit_identical_to_bridge_at_etp1():
                 assert run[key].keys() == ref[key].keys()
                 for n, t in ref[key].items():
                     torch.testing.assert_close(run[key][n], t, rtol=0, atol=0, msg=lambda m: f"{rank} {v} {key} {n}")
+
+
+def test_recompute_through_bridge_keeps_no_expert_input():
+    """regather.bridge.LoRA(recompute_adapter_inputs=True, redispatch_expert_inputs=True) in a Bridge
+    recipe: every expert adapter input rebuilt from what the MoE layer keeps (0 bytes counted), the
+    dense qkv ones from their norm, bit-identical to Bridge's LoRA (test above)."""
+    from regather.expert_inputs import REDISPATCH
+
+    for r in runs():
+        run = r["tp2_ep2"]["rb-regather-rc-rd"]
+        experts = {p: n for p, n in run["saved_by_adapter"].items() if ".experts." in p}
+        assert experts and not any(experts.values()), experts
+        fc1 = [d for p, d in run["decisions"].items() if ".experts." in p and p.endswith("linear_fc1")]
+        assert fc1 and all(d.endswith(f", input recomputed from {REDISPATCH}") for d in fc1), fc1
+        assert run["saved_adapter_input"] < r["tp2_ep2"]["rb-regather"]["saved_adapter_input"]
 
 
 @pytest.mark.parametrize("name", ["tp2_ep2", "tp2_etp2"])

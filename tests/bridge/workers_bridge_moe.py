@@ -22,14 +22,17 @@ from regather.testing.moe_models import GlobalLayout, TinyMoE, build_moe_gpt, fu
 
 from workers_moe import TARGETS, Case, train  # noqa: E402
 
-# variant -> (which LoRA, regather flag)
-SIDES = {"bridge": ("bridge", False), "bridge-regather": ("bridge", True),
-         "rb-gather": ("regather.bridge", False), "rb-regather": ("regather.bridge", True)}
+# variant -> (which LoRA, regather flag, regather.bridge's other fields)
+SIDES = {"bridge": ("bridge", False, {}), "bridge-regather": ("bridge", True, {}),
+         "rb-gather": ("regather.bridge", False, {}), "rb-regather": ("regather.bridge", True, {}),
+         # every expert input rebuilt from what the MoE layer keeps (issue 16)
+         "rb-regather-rc-rd": ("regather.bridge", True, {"recompute_adapter_inputs": True,
+                                                         "redispatch_expert_inputs": True})}
 
 
-def _transform(which: str, regather: bool, dim: int):
+def _transform(which: str, regather: bool, dim: int, **extra):
     kw = dict(target_modules=list(TARGETS), dim=dim, alpha=2 * dim, lora_B_init_method="xavier",
-              sequence_parallel_input_regather=regather)
+              sequence_parallel_input_regather=regather, **extra)
     from regather.testing.bridge_env import import_bridge_peft
 
     peft = import_bridge_peft()  # Bridge's PEFT package with the CPU shims (regather.bridge needs it too)
@@ -42,8 +45,8 @@ def _transform(which: str, regather: bool, dim: int):
 
 
 def wrap(case: Case, variant: str):
-    which, regather = SIDES[variant]
-    return _transform(which, regather, case.dim)
+    which, regather, extra = SIDES[variant]
+    return _transform(which, regather, case.dim, **extra)
 
 
 def side_by_side(rank: int, world: int, cases: dict) -> dict:
