@@ -15,8 +15,8 @@ dispatcher    the route of a row block ``[T, w]``        what :class:`Route` hol
               dispatcher's mapping) -> all-to-all over   expert-TP split sizes, the chunk
               EP -> all-gather over expert TP -> sort    sizes and order of the local experts
               chunks by local expert
-``allgather`` all-gather over expert TP x EP -> permute  the local routing map and the
-              the rows of the local experts              permutation indices
+``allgather`` all-gather over expert TP x EP -> permute  the permutation indices
+              the rows of the local experts
 ============= ========================================== =====================================
 
 Two ways to send, one route:
@@ -36,7 +36,9 @@ recomputes its own row map instead (a few bytes per token and expert).
 
 Routing is per forward: the dispatcher overwrites its split sizes and maps in every forward, so a
 :class:`Route` keeps references to the forward's own (the dispatcher assigns new tensors, it does
-not write into the old ones). Refused, with the reason (:func:`unsupported_reason`): the flex
+not write into the old ones): the permutation indices, which megatron's permute saved for its own
+backward (no new bytes), and the split sizes; the routing map only under the fused permute, which
+reruns on it. Refused, with the reason (:func:`unsupported_reason`): the flex
 dispatcher (DeepEP / HybridEP fuse permutation and exchange: nothing to replay), capacity
 drop-and-pad, routing-map padding for quantization, and any other dispatcher class.
 """
@@ -79,10 +81,14 @@ class Route:
         d = dispatcher
         self.alltoall = isinstance(d, MoEAlltoAllTokenDispatcher)
         self.fused = bool(getattr(config, "moe_permute_fusion", False))
+        # what a route holds until backward (re-dispatch): the permutation indices (megatron's permute
+        # saved them for its backward: no new bytes) and split sizes; the routing map ([T, experts],
+        # which nothing else keeps) only for the fused permute, which needs it
         self.mapping = d.reversed_local_input_permutation_mapping
         self.etp_group, self.etp = d.tp_group, d.tp_size
         if self.alltoall:
-            self.routing_map, self.num_out_tokens = d.routing_map, d.num_out_tokens
+            self.routing_map = d.routing_map if self.fused else None
+            self.num_out_tokens = d.num_out_tokens
             self.ep_group, self.ep = d.ep_group, d.ep_size
             self.in_splits, self.out_splits = d.input_splits, d.output_splits
             self.out_splits_etp = d.output_splits_tp
@@ -90,7 +96,8 @@ class Route:
             self.chunks = d.num_global_tokens_per_local_expert
             self.chunk_order = d.sort_input_by_local_experts
         else:
-            self.routing_map, self.num_out_tokens = d.local_map, None
+            self.routing_map = d.local_map if self.fused else None
+            self.num_out_tokens = None
             self.gather_group, self.ep = d.tp_ep_group, d.ep_size
         self.rows_in = math.prod(d.hidden_shape[:-1])  # T: the layer input [s/t, b, h] as rows
 
