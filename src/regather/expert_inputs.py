@@ -331,15 +331,14 @@ class ExpertInputs:
 
 
 class ExpertInputProducer:
-    """The producer of one expert fc1 adapter's input (attached by ``regather.LoRA``)."""
+    """The producer of one expert fc1 adapter's input (attached by ``regather.LoRA``): its shared
+    LoRA-A runs before the dispatch, or (per-expert, opted in) its rows are re-dispatched."""
 
-    def __init__(self, inputs: ExpertInputs, shared: bool, redispatch: bool):
-        self.inputs, self.shared, self.redispatch = inputs, shared, redispatch
+    def __init__(self, inputs: ExpertInputs, shared: bool):
+        self.inputs, self.shared = inputs, shared
         self.name = PREDISPATCH if shared else REDISPATCH
 
     def static_reason(self) -> Optional[str]:
-        if not self.shared and not self.redispatch:
-            return REDISPATCH_OPT_IN
         return self.inputs.static_reason()
 
     def capture(self, x: torch.Tensor):
@@ -374,4 +373,4 @@ def expert_producer(model: nn.Module, path: str, adapter) -> "ExpertInputProduce
     if inputs is None:
         inputs = ExpertInputs(moe)
         moe._regather_expert_inputs = inputs
-    return ExpertInputProducer(inputs, shared, bool(getattr(adapter, "redispatch_inputs", False)))
+    return ExpertInputProducer(inputs, shared)
