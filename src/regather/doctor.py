@@ -318,7 +318,7 @@ def _expert_recompute_part(setup: Setup, name: str, needs_grad: bool) -> tuple[O
     if name == "linear_fc1":
         return _expert_fc1_part(setup, needs_grad)
     modules = list(setup.recompute_modules) if setup.recompute_granularity == "selective" else []
-    if checkpointed_by_config(setup, name) or "moe" in modules:
+    if checkpointed_by_config(setup, name, expert=True):  # full, or selective 'moe' ('mlp' skips MoE layers)
         return None, IN_CHECKPOINT
     if setup.cpu_offloading:
         return None, "CPU activation offloading is on (cpu_offloading=True)"
@@ -335,7 +335,7 @@ def _expert_recompute_part(setup: Setup, name: str, needs_grad: bool) -> tuple[O
 def _expert_fc1_part(setup: Setup, router_input_needs_grad: bool) -> tuple[Optional[str], Optional[str]]:
     """Expert fc1 in the adapter's order (``ParallelLinearAdapter._recompute_unsupported``): a
     per-expert LoRA-A without the re-dispatch opt-in has no producer (``REDISPATCH_OPT_IN``), then
-    megatron's checkpoint (full, selective ``mlp`` or ``moe``: ``IN_CHECKPOINT``, as for fc2), then
+    megatron's checkpoint (full, or selective ``moe``: ``IN_CHECKPOINT``, as for fc2), then
     the MoE layer's configuration (:func:`moe_static_reason`), then the router's input: it keeps
     nothing unless it requires grad (the pre-MLP norm's input does)."""
     from regather.eligibility import IN_CHECKPOINT, checkpointed_by_config
@@ -346,8 +346,7 @@ def _expert_fc1_part(setup: Setup, router_input_needs_grad: bool) -> tuple[Optio
                                       router_input_needs_grad)
     if why == REDISPATCH_OPT_IN:
         return None, why
-    modules = list(setup.recompute_modules) if setup.recompute_granularity == "selective" else []
-    if checkpointed_by_config(setup, "linear_fc1") or "moe" in modules:
+    if checkpointed_by_config(setup, "linear_fc1", expert=True):
         return None, IN_CHECKPOINT
     static = moe_static_reason(setup)
     if static:

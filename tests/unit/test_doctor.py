@@ -242,6 +242,12 @@ def test_moe_recompute_rules_expert_fc1_from_the_router_fc2_rebuilt():
     moe = doctor.analytic_decisions(Setup(moe=True, recompute_adapter_inputs=True,
                                           recompute_granularity="selective", recompute_modules=("moe",)))
     assert moe["decoder.layers.1.mlp.linear_fc2"]["recompute_reason"] == IN_CHECKPOINT
+    # selective 'mlp' does not checkpoint MoE layers (megatron's TransformerLayer skips them): experts
+    # still rebuild their inputs, as the adapters decide (eligibility.checkpointed_by_config(expert=True))
+    mlp = doctor.analytic_decisions(Setup(moe=True, experts="grouped", recompute_adapter_inputs=True,
+                                          recompute_granularity="selective", recompute_modules=("mlp",)))
+    assert mlp["decoder.layers.1.mlp.linear_fc1"]["recompute"] == PREDISPATCH
+    assert mlp["decoder.layers.1.mlp.linear_fc2"]["recompute"] == "the grouped experts' activation (gelu)"
     only_fc2 = doctor.analytic_decisions(Setup(moe=True, recompute_adapter_inputs=True, targets=("linear_fc2",)))
     assert "keeps nothing" in only_fc2["decoder.layers.0.mlp.linear_fc2"]["recompute_reason"]
     assert only_fc2["decoder.layers.1.mlp.linear_fc2"]["recompute"] == "the MLP activation (gelu)"
