@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from regather.eligibility import IN_CHECKPOINT
+from regather.estimate import ROUTER_KEEPS_NOTHING  # estimate's and doctor's sentence: the adapters' own
 from regather.expert_inputs import PREDISPATCH, REDISPATCH
 from regather.testing.moe_models import TinyMoE
 from regather.testing.spawn_groups import SpawnGroups
@@ -26,7 +27,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 RD = ("gather", "regather-rc-rd")
 TOP1 = (("moe_router_pre_softmax", True),)
-ROUTER_KEEPS_NOTHING = "the router: it keeps nothing for its backward (neither its input nor its weights need a gradient)"
 ROUTE_CHECK = "sending the router's input along this forward's route does not reproduce the dispatched tokens"
 
 # name -> (case, {layer: expected reason (None: rebuilt)} for every MoE layer)
