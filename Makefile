@@ -10,7 +10,7 @@ TORCH_PIN    := torch==2.13.0
 MEGATRON_PIN := megatron-core==0.16.1
 JOBS ?= 2
 
-.PHONY: venv demo test test-unit test-distributed clean
+.PHONY: venv demo test test-unit test-distributed lint clean
 
 venv: $(STAMP)
 
@@ -34,11 +34,18 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests
 
+# the tests that run in-process, and those that spawn gloo ranks (marker `distributed`)
 test-unit: venv
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/unit
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not distributed" tests
 
 test-distributed: venv
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m distributed tests
+
+# ruff (pyproject.toml [tool.ruff]) and the layering contracts (pyproject.toml [tool.importlinter]):
+# tools > testing > hf > front ends > core > ops, MoE above the dense front end, no import cycle
+lint: venv
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
@@ -57,15 +64,16 @@ $(COMPAT_DIR)/.installed: $(STAMP)
 .PHONY: test-compat
 test-compat: $(COMPAT_DIR)/.installed
 	PYTHONPATH=$(COMPAT_DIR) $(PY) -c "import megatron.core as m; assert m.__version__.startswith('0.19.2'), m.__version__"
-	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed tests/integration
+	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile -m distributed \
+		--ignore=tests/megatron/bridge --ignore=tests/testing tests
 
-# The tests against the real Megatron Bridge (tests/bridge; ~2 min on 2 cores). megatron-bridge 0.6.2 is a
+# The tests against the real Megatron Bridge (tests/megatron/bridge; ~2 min on 2 cores). megatron-bridge 0.6.2 is a
 # pure-Python wheel that declares Python 3.12 and a GPU stack: it goes beside the pinned stack like
 # megatron-core 0.19.2 (--no-deps, --ignore-requires-python), and regather.testing.bridge_env adds the
 # import-level shims its PEFT code needs on CPU. Bridge 0.6.2 pins no megatron-core version
 # (megatron-core[dev,mlm]), but its PEFT code imports megatron.core.models.hybrid.hybrid_block, which
 # megatron-core has from 0.18 on (not in 0.17.1 nor 0.16.1): the tests run with 0.19.2 on the path;
-# tests/bridge/test_bridge_mcore016.py checks the pinned 0.16.1 too (with a HybridStack stand-in).
+# tests/megatron/bridge/test_bridge_mcore016.py checks the pinned 0.16.1 too (with a HybridStack stand-in).
 BRIDGE_DIR := .venv-compat/bridge
 BRIDGE_PIN := megatron-bridge==0.6.2
 BRIDGE_PATH := $(BRIDGE_DIR):$(COMPAT_DIR)
@@ -80,4 +88,4 @@ $(BRIDGE_DIR)/.installed: $(STAMP)
 test-bridge: $(BRIDGE_DIR)/.installed $(COMPAT_DIR)/.installed
 	PYTHONPATH=$(BRIDGE_PATH) $(PY) -c "import importlib.metadata as md; \
 		v = md.version('megatron-bridge'), md.version('megatron-core'); assert v == ('0.6.2', '0.19.2'), v"
-	PYTHONPATH=$(BRIDGE_PATH) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/bridge
+	PYTHONPATH=$(BRIDGE_PATH) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/megatron/bridge

@@ -3,7 +3,7 @@
 The lowrank target of issue 3 is stated at r=16, h=4096; a whole model at
 s=8192 does not fit a 24 GiB CPU machine (attention scores), one adapter does.
 Per strategy: bytes received per rank in one forward+backward of the adapter
-alone (``regather.accounting.CollectiveBytes``: all collectives it issues,
+alone (``regather.core.accounting.CollectiveBytes``: all collectives it issues,
 megatron's mappings included), and the difference to the gather path.
 
     python benchmarks/adapter_comm.py --seq 8192 --hidden 4096 --out-features 12288 --rank 16
@@ -22,7 +22,7 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 def _rank(rank, t, strategies, s, b, h, o, r, dtype):
     from regather import ParallelLinearAdapter
-    from regather.accounting import CollectiveBytes
+    from regather.core.accounting import CollectiveBytes
     from regather.testing import enable_megatron_cpu
 
     enable_megatron_cpu()
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", help="write the table (markdown) and JSON here (path prefix)")
     a = p.parse_args(argv)
-    from regather.strategies import Strategy
+    from regather.core.strategies import Strategy
     from regather.testing.dist import run_ranks
 
     strategies = [s.value for s in Strategy]

@@ -4,7 +4,7 @@ Runs a megatron-core GPT with LoRA (regather on linear_qkv/linear_fc1) twice in 
 process per rank — plain regather (gather issued in LoRA-A's backward, waited after its
 dgrad) and early re-gather (issued when the adapter's output gradient arrives, dA after
 the base dgrad) — alternating steps, and reports per step the seconds backward spent
-blocked in ``wait()`` on the gather (``regather.strategies.regather.WAIT_CLOCK``), the
+blocked in ``wait()`` on the gather (``regather.core.strategies.regather.WAIT_CLOCK``), the
 gathers' own duration measured alone, and step times. Medians over the measured steps.
 
     .venv/bin/python benchmarks/early_regather_wait.py --hidden 512 --ffn 2048 --seq 1024
@@ -24,8 +24,8 @@ def _rank(rank, t, args):
     import torch.distributed as dist
 
     from regather import LoRA
-    from regather.comm import all_gather_seq
-    from regather.strategies import regather as rg
+    from regather.core.comm import all_gather_seq
+    from regather.core.strategies import regather as rg
     from regather.testing.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
 
     shape = TinyGPT(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,

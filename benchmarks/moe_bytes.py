@@ -12,7 +12,7 @@ adapter keeps ``routed tokens x input width x element size``). Printed per rank 
 
 ``regather bench --moe`` measures the same bytes (mean over the ranks and per rank, every variant
 starting from the same full weights) with the communication, step times and parity of a few
-training steps, and the ``-recompute-redispatch`` variants (regather.bench.moe).
+training steps, and the ``-recompute-redispatch`` variants (regather.tools.bench.moe).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _rank(rank, world, args):
     from megatron.core import parallel_state as ps
 
     from regather import LoRA
-    from regather.accounting import ADAPTER_INPUT
+    from regather.core.accounting import ADAPTER_INPUT
     from regather.testing.models import gpt_batch, gpt_loss
     from regather.testing.moe_models import TinyMoE, build_moe_gpt
     from regather.testing.moe_train import record_routed

@@ -5,7 +5,7 @@ Operation: ``main_grad[r, h] (fp32) += grad_output[K, r]^T @ input[K, h]`` (bf16
 For every shape in r x h x K it
 
 1. checks each implementation against an fp64 reference (same bound as
-   ``tests/unit/test_wgrad.py``: error <= 4 x the PyTorch fp32-path error
+   ``tests/ops/test_wgrad.py``: error <= 4 x the PyTorch fp32-path error
    + 8 eps32 max|ref|), and that repeated runs are bit-identical;
 2. times each implementation with CUDA events, one event pair per run, the L2
    flushed before every run, and reports the median (plus min / p90).
@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -236,7 +236,7 @@ def profile_comm_overlap(out_dir: str, mode: str = "copy") -> dict:
 
     See ``overlap.py`` beside this file: one GPU, the gather stood in for by a
     device copy (``copy``) or a 1-rank NCCL all-gather (``nccl``), launched
-    through ``regather.comm``; chrome trace ``overlap_trace.json`` in ``out_dir``
+    through ``regather.core.comm``; chrome trace ``overlap_trace.json`` in ``out_dir``
     and the overlap fraction computed from its kernel timestamps. Under
     ``--cpu-dry-run`` it runs the code path on CPU without a trace.
     """

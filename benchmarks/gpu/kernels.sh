@@ -15,7 +15,7 @@
 #      CUDA-event medians vs torch for r in {8,16,64}, h in {4096,8192},
 #      K in {8192,32768}, bf16; a time-boxed Triton config sweep;
 #   3. (same script, --overlap-trace) a torch.profiler chrome trace of the regather
-#      backward gather on regather.comm's comm stream against the dgrad GEMMs,
+#      backward gather on regather.core.comm's comm stream against the dgrad GEMMs,
 #      with the overlap fraction computed from kernel timestamps (overlap.py).
 # Results: kernels.json, kernels.md, overlap_trace.json, ext_build.log, bench.log in $OUT, or in
 # benchmarks/results/gpu/ when OUT is unset. Exit status: the benchmark's

@@ -101,7 +101,7 @@ def causal_mask(s: int, device) -> torch.Tensor:
 
 def step(layer, x, dy, device) -> dict:
     """One forward+backward; bytes retained after forward and the peak, relative to before."""
-    from regather.accounting import ADAPTER_INPUT, SavedBytes
+    from regather.core.accounting import ADAPTER_INPUT, SavedBytes
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     if device == "cpu":
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
-    from regather.lora import adapters
+    from regather.megatron.dense.model import adapters
 
     init_fake_group(args.tp)
     prepare_megatron(device, args.seed)
@@ -230,7 +230,7 @@ def environment(device: str) -> dict:
         import megatron.core
 
         megatron = getattr(megatron.core, "__version__", "unknown")
-    except Exception:  # noqa: BLE001
+    except Exception:
         megatron = "not installed"
     return {"device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda, "megatron_core": megatron,

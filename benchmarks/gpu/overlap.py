@@ -3,8 +3,8 @@
 One H200, one process: NCCL cannot run two ranks on one GPU, and a 1-rank
 all-gather moves nothing between GPUs. What *can* be shown honestly on one GPU
 is the stream mechanics regather relies on: the gather is issued through
-``regather.comm._launch`` -- the same code path the regather backward uses --
-on the dedicated ``regather.comm.comm_stream``, after a ``wait_stream`` on the
+``regather.core.comm._launch`` -- the same code path the regather backward uses --
+on the dedicated ``regather.core.comm.comm_stream``, after a ``wait_stream`` on the
 compute stream, and the compute stream waits on its event only right before
 LoRA-A's weight gradient. Meanwhile the compute stream runs the backward's
 dgrad GEMMs in the early-regather order (design.md §4)::
@@ -39,7 +39,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -160,7 +160,7 @@ class _Case:
 
     def __init__(self, s, b, h, o, r, t, dtype, device):
         g = torch.Generator(device="cpu").manual_seed(0)
-        rnd = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+        rnd = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
         K, k_local = s * b, s * b // t
         self.t = t
         self.x_local = rnd(k_local, h)
@@ -188,7 +188,7 @@ def _gather_op(case: _Case, mode: str, group):
 
 def backward_step(case: _Case, mode: str = "copy", group=None, overlap: bool = True) -> torch.Tensor:
     """One regather backward in early-regather order; returns the input gradient ``[s*b, h]``."""
-    from regather import comm
+    from regather.core import comm
     from regather.ops import wgrad_accumulate_
 
     cuda = case.x_local.is_cuda

@@ -1,5 +1,5 @@
 import sys
 
-from regather.cli import main
+from regather.tools.cli import main
 
 sys.exit(main())

@@ -28,8 +28,8 @@ a ``CanonicalLoRA`` adapter is one module with its own LoRA-A.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -48,7 +48,7 @@ DEFAULT_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "linear_fc1_gated": ("mlp", ("gate_proj", "up_proj")),
     "linear_fc1": ("mlp", ("up_proj",)),
     "linear_fc2": ("mlp", ("down_proj",)),
-    # CanonicalLoRA (regather.canonical): one adapter per projection
+    # CanonicalLoRA (regather.megatron.canonical): one adapter per projection
     "linear_q": ("self_attn", ("q_proj",)),
     "linear_k": ("self_attn", ("k_proj",)),
     "linear_v": ("self_attn", ("v_proj",)),
@@ -73,11 +73,11 @@ class Target:
         return tuple(f"{HF_LAYERS}.{layer}.{self.block}.{m}" for m in self.modules)
 
 
-def names_table(names: Optional[Mapping] = None) -> dict[str, tuple[str, tuple[str, ...]]]:
+def names_table(names: Mapping | None = None) -> dict[str, tuple[str, tuple[str, ...]]]:
     return dict(DEFAULT_NAMES, **(names or {}))
 
 
-def target(kind: str, gated: bool, names: Optional[Mapping] = None) -> Target:
+def target(kind: str, gated: bool, names: Mapping | None = None) -> Target:
     """The :class:`Target` of the megatron linear ``kind`` (``gated``: fc1 with GLU)."""
     table = names_table(names)
     key = "linear_fc1_gated" if kind == "linear_fc1" and gated else kind
@@ -185,7 +185,7 @@ def module_rows(tgt: Target, total: int, attention=None) -> tuple[int, ...]:
 # -- the HF model's module names -----------------------------------------------------------
 
 
-def hf_module_names(num_layers: int, gated: bool, names: Optional[Mapping] = None) -> list[str]:
+def hf_module_names(num_layers: int, gated: bool, names: Mapping | None = None) -> list[str]:
     """``named_modules()`` names of the equivalent ``LlamaForCausalLM`` (what PEFT matches
     ``target_modules`` against): projections from the table, plus embeddings, norms, lm_head."""
     out = ["", "model", "model.embed_tokens", HF_LAYERS]
@@ -205,7 +205,7 @@ def hf_module_names(num_layers: int, gated: bool, names: Optional[Mapping] = Non
     return out
 
 
-def projection_names(num_layers: int, gated: bool, names: Optional[Mapping] = None) -> set[str]:
+def projection_names(num_layers: int, gated: bool, names: Mapping | None = None) -> set[str]:
     """The HF modules that sit on one of the four megatron linears."""
     kinds = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     return {n for i in range(num_layers) for k in kinds for n in target(k, gated, names).names(i)}

@@ -1,7 +1,7 @@
 """``adapter_config.json``: what regather writes, what it reads, what it refuses.
 
 No import of ``peft``: the fields below are those ``LoraConfig(...).save_pretrained`` writes
-in peft 0.21.2 (``tests/distributed/test_peft_hf.py`` compares them with the real library),
+in peft 0.21.2 (``tests/hf/test_peft_hf.py`` compares them with the real library),
 and the target matching follows ``peft.tuners.tuners_utils.check_target_module_exists``
 (compared there too).
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
 
 #: The PEFT release whose ``LoraConfig`` fields :data:`LORA_CONFIG_DEFAULTS` mirrors.
 PEFT_FIELDS_VERSION = "0.21.2"
@@ -248,7 +248,7 @@ def _patterns(modules: list[ExportedModule], value: Mapping[str, float], default
     return dict(sorted(out.items()))
 
 
-def lora_config(modules: list[ExportedModule], num_layers: int, base_model_name_or_path: Optional[str] = None,
+def lora_config(modules: list[ExportedModule], num_layers: int, base_model_name_or_path: str | None = None,
                 dropout: float = 0.0) -> dict:
     """``adapter_config.json`` that makes PEFT build exactly ``modules`` with their scales."""
     if not modules:

@@ -38,13 +38,13 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from regather import comm
+from regather.core import comm
 from regather.hf import layout
 from regather.hf.layout import PEFT_PREFIX, Target
 from regather.hf.peft_config import (
@@ -94,9 +94,9 @@ def _gated(config) -> bool:
     return bool(getattr(config, "gated_linear_unit", False))
 
 
-def slots(model: torch.nn.Module, names: Optional[Mapping] = None) -> list[Slot]:
+def slots(model: torch.nn.Module, names: Mapping | None = None) -> list[Slot]:
     """Every adapter of ``model`` (``LoRA`` or ``CanonicalLoRA``) with its :class:`Target`."""
-    from regather.lora import adapters
+    from regather.megatron.dense.model import adapters
 
     found = adapters(model)
     if not found:
@@ -152,20 +152,20 @@ def _exported(model, names, dtype):
     return tensors, modules
 
 
-def hf_state_dict(model: torch.nn.Module, names: Optional[Mapping] = None,
-                  dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: torch.nn.Module, names: Mapping | None = None,
+                  dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The full (TP-gathered) LoRA weights under HF PEFT keys. A collective: call on every rank."""
     return _exported(model, names, dtype)[0]
 
 
 def _dropout(model) -> float:
-    from regather.lora import adapters
+    from regather.megatron.dense.model import adapters
 
     return max((a.dropout.p if a.dropout is not None else 0.0) for a in adapters(model).values())
 
 
-def peft_config(model, tensors: Optional[Mapping[str, torch.Tensor]] = None,
-                base_model_name_or_path: Optional[str] = None, names: Optional[Mapping] = None) -> dict:
+def peft_config(model, tensors: Mapping[str, torch.Tensor] | None = None,
+                base_model_name_or_path: str | None = None, names: Mapping | None = None) -> dict:
     """``adapter_config.json`` for ``model``'s adapters: the fields peft 0.21.2's ``LoraConfig``
     writes; targets as module names (+ ``layers_to_transform`` when not every layer has them, or
     exact module names when the layers differ per module); ``rank_pattern`` / ``alpha_pattern``
@@ -179,8 +179,8 @@ def peft_config(model, tensors: Optional[Mapping[str, torch.Tensor]] = None,
     return lora_config(modules, num_layers, base_model_name_or_path, _dropout(model))
 
 
-def export_peft(model: torch.nn.Module, directory: str, *, base_model_name_or_path: Optional[str] = None,
-                names: Optional[Mapping] = None, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+def export_peft(model: torch.nn.Module, directory: str, *, base_model_name_or_path: str | None = None,
+                names: Mapping | None = None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` to ``directory``.
 
     A collective (every rank must call it); rank 0 of the default group writes.
@@ -344,7 +344,7 @@ def _stage(slot: Slot, tensors, config, present: list[int], where: str):
     return a_shard.to(cur_a.dtype).contiguous(), b_shard.to(cur_b.dtype).contiguous(), per[0].scale
 
 
-def load_peft(model: torch.nn.Module, directory: str, names: Optional[Mapping] = None) -> list[str]:
+def load_peft(model: torch.nn.Module, directory: str, names: Mapping | None = None) -> list[str]:
     """Load an HF PEFT LoRA adapter into ``model`` (``LoRA`` or ``CanonicalLoRA`` applied, any
     strategy, TP-sharded). Everything is checked first (module docstring); then each adapter's
     A/B shards are loaded and its ``scale`` set to PEFT's. Returns the loaded adapter paths.
@@ -369,7 +369,7 @@ def load_peft(model: torch.nn.Module, directory: str, names: Optional[Mapping] =
     if unclaimed:
         raise UnsupportedAdapter(f"{where}: the model has no adapter for {unclaimed[:6]}"
                                  f"{'...' if len(unclaimed) > 6 else ''}: build its LoRA with these targets too")
-    for path, (adapter, a_shard, b_shard, scale) in staged.items():
+    for adapter, a_shard, b_shard, scale in staged.values():
         adapter.load_state_dict({"linear_in.weight": a_shard, "linear_out.weight": b_shard}, strict=True)
         adapter.scale = scale
     return sorted(staged)
@@ -380,7 +380,7 @@ def _check_no_pipeline() -> None:
         from megatron.core import parallel_state
 
         pp = parallel_state.get_pipeline_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-    except Exception:  # noqa: BLE001 - no megatron state: no pipeline
+    except Exception:
         pp = 1
     if pp > 1:
         raise NotImplementedError(f"HF PEFT export/import with pipeline parallelism ({pp} stages) is not supported")

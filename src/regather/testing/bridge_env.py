@@ -208,18 +208,17 @@ def import_bridge_checkpointing() -> types.ModuleType:
     spec = importlib.util.find_spec("megatron.bridge.training")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(INSTALL_HINT)
-    source_path = f"{list(spec.submodule_search_locations)[0]}/checkpointing.py"
+    source_path = f"{next(iter(spec.submodule_search_locations))}/checkpointing.py"
     with open(source_path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), source_path)
     wanted = [node for node in tree.body
               if isinstance(node, ast.FunctionDef) and node.name in _CHECKPOINTING_FUNCTIONS]
     if sorted(n.name for n in wanted) != sorted(_CHECKPOINTING_FUNCTIONS):
         raise ImportError(f"{source_path} does not define {_CHECKPOINTING_FUNCTIONS}")
+    from megatron.bridge.peft.base import PEFT
     from megatron.core.dist_checkpointing.mapping import ShardedStateDict
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.module import MegatronModule
-
-    from megatron.bridge.peft.base import PEFT
 
     training = types.ModuleType("megatron.bridge.training", "bare package (regather.testing.bridge_env, shim 6)")
     training.__path__ = list(spec.submodule_search_locations)

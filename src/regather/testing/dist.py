@@ -61,7 +61,8 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch.multiprocessing as mp
 
@@ -113,7 +114,7 @@ def _die_with_parent(parent_pid: int) -> None:
             import ctypes
 
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        except Exception:  # noqa: BLE001 - best effort
+        except Exception:
             pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
@@ -132,10 +133,10 @@ def _enable_stack_dump(out_dir: str, rank: int) -> None:
 def _rank_main(fn, rank, world_size, init_file, out_dir, pg_timeout_s, parent_pid, args, kwargs):
     _die_with_parent(parent_pid)
     _enable_stack_dump(out_dir, rank)
+    import warnings
+
     import torch
     import torch.distributed as dist
-
-    import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -154,7 +155,7 @@ def _rank_main(fn, rank, world_size, init_file, out_dir, pg_timeout_s, parent_pi
         )
         value = fn(rank, world_size, *args, **kwargs)
         payload = ("ok", value)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+    except BaseException as exc:
         payload = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(result_path + ".tmp", "wb") as f:
         pickle.dump(payload, f)
@@ -163,7 +164,7 @@ def _rank_main(fn, rank, world_size, init_file, out_dir, pg_timeout_s, parent_pi
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
     os._exit(0 if payload[0] == "ok" else 1)
 
@@ -425,7 +426,7 @@ def run_ranks(
                     print(f"regather.testing.dist: interrupted after {time.monotonic() - start:.0f} s; "
                           f"ranks {unfinished} unfinished" + _format_stacks(procs, stacks),
                           file=sys.stderr, flush=True)
-                except BaseException:  # noqa: BLE001 - never mask the interruption
+                except BaseException:
                     pass
             raise
         finally:

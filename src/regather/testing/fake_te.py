@@ -1,6 +1,6 @@
 """CPU stand-ins for megatron's Transformer Engine linears (TE cannot be installed on CPU).
 
-They mimic what :mod:`regather.te` relies on, and nothing else:
+They mimic what :mod:`regather.megatron.dense.te` relies on, and nothing else:
 
 - the class names (``TELayerNormColumnParallelLinear``, ``TEColumnParallelLinear``),
   TE's per-rank ``in_features`` / ``out_features``, ``parallel_mode``,

@@ -24,7 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from regather import comm
+from regather.core import comm
 from regather.hf import layout
 
 #: ``build_gpt`` overrides that give a Llama-style block.

@@ -145,7 +145,7 @@ def _die_with_parent(parent_pid: int) -> None:
             import ctypes
 
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        except Exception:  # noqa: BLE001 - best effort: without it the old behaviour remains
+        except Exception:
             pass
     if os.getppid() != parent_pid:  # the rank died before prctl took effect
         os._exit(0)

@@ -60,8 +60,9 @@ import dataclasses
 import sys
 import traceback
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 
@@ -230,7 +231,7 @@ def enable_megatron_training_cpu() -> bool:
 # -- what to train --------------------------------------------------------------------
 
 # name -> (LoRA strategy, LoRA field overrides); None: megatron's own trainable linears.
-STRATEGIES: dict[str, Optional[tuple[str, dict]]] = {
+STRATEGIES: dict[str, tuple[str, dict] | None] = {
     "gather": ("gather", {}),
     "regather": ("regather", {}),
     "regather-plain": ("regather", {"early_regather": False}),
@@ -251,7 +252,7 @@ class DDPOptions:
     overlap_grad_reduce: bool = False
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
-    bucket_size: Optional[int] = None  # elements; only used with overlap_grad_reduce
+    bucket_size: int | None = None  # elements; only used with overlap_grad_reduce
 
     @property
     def align_param_gather(self) -> bool:
@@ -266,12 +267,12 @@ class TrainSpec:
     strategy: str = "gather"
     tp: int = 2
     pp: int = 1
-    vpp: Optional[int] = None
+    vpp: int | None = None
     ddp: DDPOptions = field(default_factory=DDPOptions)
     gradient_accumulation_fusion: bool = False
-    shape: Union[TinyGPT, TinyMoE] = field(default_factory=TinyGPT)  # a TinyMoE: megatron's MoE layers
+    shape: TinyGPT | TinyMoE = field(default_factory=TinyGPT)  # a TinyMoE: megatron's MoE layers
     ep: int = 1  # expert model parallel (MoE shapes)
-    etp: Optional[int] = None  # expert tensor parallel (None: megatron's default, ``tp``)
+    etp: int | None = None  # expert tensor parallel (None: megatron's default, ``tp``)
     micro_batch: int = 2
     num_microbatches: int = 4
     steps: int = 3
@@ -281,7 +282,7 @@ class TrainSpec:
     lora_alpha: int = 16
     lora_B_init_method: str = "normal"  # non-zero B: LoRA-A gets a gradient from step 0
     targets: tuple = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-    batch_p2p_comm: Optional[bool] = None  # None: off with a virtual pipeline (gloo, §8)
+    batch_p2p_comm: bool | None = None  # None: off with a virtual pipeline (gloo, §8)
     seed: int = 1234
     timeout_minutes: float = 1.0  # megatron's process groups (a stage waiting on a failed peer)
 
@@ -335,7 +336,7 @@ def teardown_parallel() -> None:
         group = _GROUPS.pop()
         try:
             dist.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 - already gone, or broken by a timed-out op
+        except Exception:
             pass
     gc.collect()  # the last run's model, DDP and optimizer hold its groups in reference cycles
 
@@ -497,8 +498,8 @@ def _sharded_views(model: list) -> dict:
 
     A low-rank adapter's LoRA-A is replicated ``[r, h]``; its TP rank's rows are what the
     gather path holds as ``[r/t, h]``, so results are recorded in that layout to compare."""
-    from regather.lora import adapters
-    from regather.strategies.lowrank import shard_rows
+    from regather.core.strategies.lowrank import shard_rows
+    from regather.megatron.dense.model import adapters
 
     views = {}
     for i, chunk in enumerate(model):
@@ -550,8 +551,8 @@ def reduced_main_grads(model: list, named: dict) -> dict:
 
 def _record_used_weights(model: list, store: dict) -> list:
     """Forward hooks on every adapter: the LoRA weights its forward read, per call."""
-    from regather.lora import adapters
-    from regather.strategies.lowrank import shard_rows
+    from regather.core.strategies.lowrank import shard_rows
+    from regather.megatron.dense.model import adapters
 
     handles = []
     for i, chunk in enumerate(model):
@@ -620,7 +621,7 @@ def release_training(model: list, config) -> None:
 def _train_steps(spec: TrainSpec, model: list, optimizer, config) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from regather.lora import adapters
+    from regather.megatron.dense.model import adapters
 
     named = _trainable(model)
     views = _sharded_views(model)
@@ -698,13 +699,13 @@ def warm_up() -> None:
     from megatron.core import distributed, optimizer  # noqa: F401
     from megatron.core.pipeline_parallel import p2p_communication, schedules  # noqa: F401
 
-    import regather.lora  # noqa: F401
+    import regather.megatron.lora  # noqa: F401
 
     enable_megatron_training_cpu()
     dist.barrier()
 
 
-def train_agreed(spec: TrainSpec) -> tuple[Optional[dict], Optional[str]]:
+def train_agreed(spec: TrainSpec) -> tuple[dict | None, str | None]:
     """:func:`setup_parallel` + :func:`train` on this rank, a failure caught and agreed on.
 
     Returns ``(result, None)``, or ``(None, traceback)`` when the run failed on any rank (a
@@ -719,7 +720,7 @@ def train_agreed(spec: TrainSpec) -> tuple[Optional[dict], Optional[str]]:
     try:
         setup_parallel(spec)
         result = train(spec)
-    except Exception:  # noqa: BLE001 - reported to the caller
+    except Exception:
         error = f"rank {dist.get_rank()}: {traceback.format_exc()}"
     failed = torch.tensor([0 if error is None else 1])
     dist.all_reduce(failed)

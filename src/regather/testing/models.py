@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -25,10 +24,10 @@ def init_model_parallel(
     tp: int,
     seed: int = 1234,
     pp: int = 1,
-    vpp: Optional[int] = None,
-    timeout_minutes: Optional[float] = None,
+    vpp: int | None = None,
+    timeout_minutes: float | None = None,
     ep: int = 1,
-    etp: Optional[int] = None,
+    etp: int | None = None,
 ) -> None:
     """Initialise megatron's parallel state on an existing default group.
 
@@ -69,7 +68,7 @@ def build_gpt(
     *,
     pre_process: bool = True,
     post_process: bool = True,
-    vp_stage: Optional[int] = None,
+    vp_stage: int | None = None,
     init_parallel: bool = True,
     **config_overrides,
 ):

@@ -77,7 +77,7 @@ def _patch_alltoall_dispatcher() -> None:
 def _uneven(group, sizes) -> bool:
     import torch.distributed as dist
 
-    return sizes is not None and len(set(int(n) for n in sizes)) > 1 and dist.get_backend(group) == "gloo"
+    return sizes is not None and len({int(n) for n in sizes}) > 1 and dist.get_backend(group) == "gloo"
 
 
 def _padded_blocks(t: torch.Tensor, sizes, width: int) -> torch.Tensor:

@@ -27,11 +27,8 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
-
-from regather.testing.models import init_model_parallel
 
 DISPATCHERS = ("alltoall", "allgather")
 EXPERT_KINDS = ("sequential", "grouped")
@@ -55,7 +52,7 @@ class TinyMoE:
     shared_expert_size: int = 0  # moe_shared_expert_intermediate_size (0: none)
     moe_layer_freq: int = 1  # 1: every layer MoE; 2: layers 0, 2, ... are MoE
     gated: bool = False  # SwiGLU experts (and dense MLPs)
-    num_query_groups: Optional[int] = None
+    num_query_groups: int | None = None
 
     def __post_init__(self):
         if self.dispatcher not in DISPATCHERS:
@@ -69,7 +66,7 @@ class TinyMoE:
         return [1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers)]
 
 
-def init_moe_parallel(tp: int, ep: int, etp: Optional[int] = None, seed: int = 1234, pp: int = 1) -> None:
+def init_moe_parallel(tp: int, ep: int, etp: int | None = None, seed: int = 1234, pp: int = 1) -> None:
     """megatron's parallel state with expert parallelism, on the existing default group."""
     from megatron.core import parallel_state, tensor_parallel
 
@@ -83,7 +80,7 @@ def init_moe_parallel(tp: int, ep: int, etp: Optional[int] = None, seed: int = 1
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def moe_config(shape: TinyMoE, tp: int, ep: int, etp: Optional[int], dtype=torch.float32, **overrides):
+def moe_config(shape: TinyMoE, tp: int, ep: int, etp: int | None, dtype=torch.float32, **overrides):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -121,7 +118,7 @@ def moe_layer_spec(shape: TinyMoE, config):
     return block
 
 
-def build_moe_gpt(shape: TinyMoE, tp: int, ep: int, etp: Optional[int] = None, dtype=torch.float32,
+def build_moe_gpt(shape: TinyMoE, tp: int, ep: int, etp: int | None = None, dtype=torch.float32,
                   seed: int = 1234, init_parallel: bool = True, pre_process: bool = True,
                   post_process: bool = True, **overrides):
     """A megatron-core MoE ``GPTModel`` on the current ranks (TP x EP x ETP, SP on with TP > 1)."""
@@ -157,10 +154,10 @@ class Placement:
 
     global_name: str
     global_shape: tuple
-    dim: Optional[int] = None
-    rows: Optional[torch.Tensor] = None
-    expert_axis: Optional[int] = None
-    expert_block: Optional[slice] = None
+    dim: int | None = None
+    rows: torch.Tensor | None = None
+    expert_axis: int | None = None
+    expert_block: slice | None = None
 
     def _narrow(self, full: torch.Tensor) -> torch.Tensor:
         if self.expert_axis is None:

@@ -21,12 +21,12 @@ MoE layer's re-dispatch counts (``ExpertInputs.resends``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 
-from regather.lora import DEFAULT_TARGETS
+from regather.megatron.lora import DEFAULT_TARGETS
 from regather.testing.moe_models import TinyMoE
 
 REDISPATCH = "-recompute-redispatch"
@@ -89,8 +89,8 @@ def base_variant(name: str) -> str:
 
 
 def lora_for(run: MoERun, name: str):
-    from regather.lora import LoRA
-    from regather.strategies import Strategy
+    from regather.core.strategies import Strategy
+    from regather.megatron.lora import LoRA
     from regather.testing.train import _lora_other
 
     strategy, opts = variant_options(name)
@@ -194,14 +194,14 @@ def grad_gap(grads: dict, ref: dict) -> tuple[float, float]:
 
 
 def compare_moe(rank: int, world_size: int, run: MoERun, variants: Sequence[str], parity: dict,
-                progress: Optional[Callable[[str, int, float], None]] = None) -> dict:
+                progress: Callable[[str, int, float], None] | None = None) -> dict:
     """Train every variant side by side; ``{variant: measurements}`` for this rank (module doc).
     ``parity``: ``{variant: [variants to compare its losses and last gradients with]}``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from regather.accounting import ADAPTER_INPUT, CollectiveBytes
-    from regather.lora import adapters
+    from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes
+    from regather.megatron.dense.model import adapters
     from regather.testing.models import gpt_loss
     from regather.testing.moe_models import init_moe_parallel
     from regather.testing.train import AdapterSavedBytes

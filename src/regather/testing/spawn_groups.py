@@ -14,7 +14,8 @@ test).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any
 
 from regather.testing.dist import run_ranks
 
@@ -77,7 +78,7 @@ class SpawnGroups:
             try:
                 self._done[i] = run_ranks(self._fn, self._world, self.groups[i], *self._args,
                                           timeout=self._timeout, **self._kwargs)
-            except Exception as exc:  # noqa: BLE001 - kept for the group's later items
+            except Exception as exc:
                 self._failed[i] = f"{type(exc).__name__}: {exc}"
                 raise SpawnFailed(f"the spawn of group {i} {list(self.groups[i])} failed: {self._failed[i]}") from exc
         return self._done[i]

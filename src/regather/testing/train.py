@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 
-from regather.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
-from regather.lora import LoRA, adapters
+from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
+from regather.megatron.dense.model import adapters
+from regather.megatron.lora import LoRA
 from regather.testing.models import TinyGPT, batch_from_tokens, build_gpt, gpt_batch, gpt_loss
 
 
@@ -53,7 +54,7 @@ class RunConfig:
 
 # Variants a benchmark can put side by side: name -> (strategy, LoRA field overrides).
 # The "-recompute" ones rebuild adapter inputs from what their producer keeps
-# (regather.producers): qkv/fc1 under regather and lowrank, fc2 under every strategy, so
+# (regather.megatron.dense.producers): qkv/fc1 under regather and lowrank, fc2 under every strategy, so
 # on gather only fc2 recomputes.
 VARIANTS = {
     "regather-plain": ("regather", {"early_regather": False}),
@@ -75,7 +76,7 @@ def _lora_fields() -> set:
 
 
 def lora_for(cfg: RunConfig) -> LoRA:
-    from regather.strategies import Strategy
+    from regather.core.strategies import Strategy
 
     name, overrides = VARIANTS.get(cfg.strategy, (cfg.strategy, {}))
     strategy = Strategy.parse(name)
@@ -88,7 +89,7 @@ def lora_for(cfg: RunConfig) -> LoRA:
     )
     cls = LoRA
     if cfg.canonical:
-        from regather.canonical import CanonicalLoRA as cls
+        from regather.megatron.canonical import CanonicalLoRA as cls
     if strategy in (Strategy.GATHER, Strategy.REGATHER):
         return cls(sequence_parallel_input_regather=strategy == Strategy.REGATHER, **kwargs)
     return _lora_other(strategy, kwargs, cls)
@@ -97,7 +98,7 @@ def lora_for(cfg: RunConfig) -> LoRA:
 _STRATEGY_FIELDS = ("strategy", "sequence_parallel_input_strategy", "input_strategy")
 
 
-def _strategy_field() -> Optional[str]:
+def _strategy_field() -> str | None:
     fields = _lora_fields()
     return next((name for name in _STRATEGY_FIELDS if name in fields), None)
 
@@ -105,7 +106,7 @@ def _strategy_field() -> Optional[str]:
 def requestable_strategies(variants: bool = True) -> list[str]:
     """Strategies a ``LoRA`` config of this build can ask for (gather first), and with
     ``variants`` the :data:`VARIANTS` whose options it has (e.g. ``regather-plain``)."""
-    from regather.strategies import Strategy
+    from regather.core.strategies import Strategy
 
     names = ["gather", "regather"]
     if _strategy_field() is not None:
@@ -133,7 +134,7 @@ def model_overrides(cfg: RunConfig) -> dict:
     return {"gated_linear_unit": True, "activation_func": F.silu}
 
 
-def build_lora_gpt(cfg: RunConfig, device: Optional[torch.device] = None):
+def build_lora_gpt(cfg: RunConfig, device: torch.device | None = None):
     model = build_gpt(cfg.shape, cfg.tp, cfg.sequence_parallel, cfg.torch_dtype, seed=cfg.seed,
                       **model_overrides(cfg))
     if device is not None and torch.device(device).type != "cpu":
@@ -164,7 +165,7 @@ def require_decoder_input_grad(model: torch.nn.Module) -> None:
     model.decoder.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def token_batches(cfg: RunConfig, tokens: Optional[torch.Tensor] = None):
+def token_batches(cfg: RunConfig, tokens: torch.Tensor | None = None):
     """Step ``i``'s batch: consecutive windows of ``tokens`` (or random tokens)."""
     s, b = cfg.shape.seq_length, cfg.micro_batch
     for step in range(cfg.steps):
@@ -175,7 +176,7 @@ def token_batches(cfg: RunConfig, tokens: Optional[torch.Tensor] = None):
         yield batch_from_tokens(torch.stack([tokens[i : i + s + 1] for i in starts]).long())
 
 
-def train_lora(rank: int, world_size: int, cfg: RunConfig, tokens: Optional[torch.Tensor] = None,
+def train_lora(rank: int, world_size: int, cfg: RunConfig, tokens: torch.Tensor | None = None,
                collect_grads: bool = True) -> dict:
     model = build_lora_gpt(cfg)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -210,14 +211,14 @@ def train_lora(rank: int, world_size: int, cfg: RunConfig, tokens: Optional[torc
 
 
 class AdapterSavedBytes(SavedBytes):
-    """:class:`~regather.accounting.SavedBytes` of a model that also attributes the LoRA-A input
+    """:class:`~regather.core.accounting.SavedBytes` of a model that also attributes the LoRA-A input
     bytes (label ``adapter_input:*``) to the adapter saving them, by path: a new storage
     counted while an adapter's forward runs belongs to that adapter. A recomputing adapter
     saves a storage its producer saved first, so it is counted 0."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__(exclude=list(model.parameters()) + list(model.buffers()))
-        self._current: Optional[str] = None
+        self._current: str | None = None
         self.by_adapter: dict[str, int] = {}
         self._handles = []
         for path, adapter in adapters(model).items():
@@ -225,7 +226,7 @@ class AdapterSavedBytes(SavedBytes):
             self._handles.append(adapter.register_forward_pre_hook(lambda m, a, _p=path: self._enter(_p)))
             self._handles.append(adapter.register_forward_hook(lambda m, a, o: self._enter(None)))
 
-    def _enter(self, path: Optional[str]) -> None:
+    def _enter(self, path: str | None) -> None:
         self._current = path
 
     def _pack(self, t):
@@ -244,7 +245,7 @@ class AdapterSavedBytes(SavedBytes):
         self._handles.clear()
 
 
-def _time_recomputes(model: torch.nn.Module) -> Optional[list]:
+def _time_recomputes(model: torch.nn.Module) -> list | None:
     """Wrap each adapter producer's ``recompute`` (the op rerun in backward, and once in the
     first forward to verify it) with a clock; returns the one-element accumulator, or None
     when no adapter has a producer. The wrapper only adds ``perf_counter`` calls."""
@@ -287,9 +288,9 @@ def compare_strategies(
     world_size: int,
     cfg: RunConfig,
     strategies: Sequence[str],
-    tokens: Optional[torch.Tensor] = None,
-    device: Optional[torch.device] = None,
-    progress: Optional[Callable[[str, int, float], None]] = None,
+    tokens: torch.Tensor | None = None,
+    device: torch.device | None = None,
+    progress: Callable[[str, int, float], None] | None = None,
 ) -> dict:
     """Train one model per strategy side by side; return ``{strategy: result}``.
 

@@ -1,8 +1,0 @@
-"""``regather bench``: measure the strategies on a real megatron-core GPT (design.md §7).
-
-- :mod:`~regather.bench.runner` — spawn ranks, run every strategy side by side, summarise
-- :mod:`~regather.bench.report` — terminal table, markdown, JSON and PNG chart
-- :mod:`~regather.bench.cli`    — the sub-command
-- :mod:`~regather.bench.moe`    — ``--moe``: the variants on megatron's MoE layers (TP x EP x ETP), summarised
-- :mod:`~regather.bench.moe_report` — its tables, markdown and JSON
-"""

@@ -1,0 +1,16 @@
+"""The framework-free core: torch only, never megatron-core, Transformer Engine or torchtitan.
+
+Front ends (:mod:`regather.megatron`, :mod:`regather.torchtitan`) hand it plain tensors, a
+``torch.distributed`` process group and the sequence dimension of their activation layout.
+
+- :mod:`.strategies` — the LoRA-A paths: where bytes are saved (gather, regather, lowrank,
+  local, pregathered, predispatched, shared gather) and the one weight-gradient GEMM
+- :mod:`.recompute`  — inputs rebuilt from what their producer keeps (sources, graph checks)
+- :mod:`.comm`, :mod:`.mappings` — where bytes are sent: collectives over a sequence dim, and
+  their differentiable pairs
+- :mod:`.buffers`    — scratch buffers for gathered activations
+- :mod:`.accounting` — where bytes are counted: saved tensors and collective traffic
+- :mod:`.decision`, :mod:`.fallback_log` — what an adapter decided and why, logged once per reason
+- :mod:`.debug`      — opt-in cross-rank shape checks
+- :mod:`.shapes`     — the model and run shapes the tools and the harness share
+"""

@@ -1,0 +1,182 @@
+"""Where bytes are counted: saved activations and collective traffic (design.md §7).
+
+- :class:`SavedBytes` — a ``saved_tensors_hooks`` context: the unique storages
+  autograd saves for backward during the forward it wraps (parameters
+  excluded), with a separate total per *label*. Code marks what it saves with
+  :func:`label` (the adapters mark LoRA-A's input as ``"adapter_input:<base>"``,
+  e.g. ``"adapter_input:linear_qkv"``; ``of("adapter_input")`` sums them all).
+- :class:`CollectiveBytes` — wraps the ``torch.distributed`` collectives
+  (and every alias megatron-core or regather took of them at import) and counts
+  per kind the bytes each rank *receives* under the usual ring algorithms:
+
+  ===================== =====================================
+  kind                  bytes received per rank
+  ===================== =====================================
+  all_gather            ``out_bytes * (t-1)/t``
+  reduce_scatter        ``in_bytes * (t-1)/t``
+  all_reduce            ``2 * bytes * (t-1)/t``
+  broadcast             ``bytes`` (non-source ranks)
+  ===================== =====================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+ADAPTER_INPUT = "adapter_input"
+_LABEL = threading.local()
+_NESTED = threading.local()  # depth of counted collective calls on this thread
+
+
+@contextlib.contextmanager
+def label(name: str):
+    """Attribute tensors saved inside this block to ``name`` (cheap when nothing counts)."""
+    prev = getattr(_LABEL, "name", None)
+    _LABEL.name = name
+    try:
+        yield
+    finally:
+        _LABEL.name = prev
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return (t.device, s.data_ptr()), s.nbytes()
+
+
+class SavedBytes:
+    """Count the unique storages saved for backward inside the ``with`` block."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._exclude = {_storage_key(p)[0] for p in exclude}
+        self._seen: dict[tuple, tuple[str, int]] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> SavedBytes:
+        return cls(exclude=list(model.parameters()) + list(model.buffers()))
+
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            key, nbytes = _storage_key(t)
+            if key not in self._exclude and key not in self._seen:
+                self._seen[key] = (getattr(_LABEL, "name", None) or "other", nbytes)
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self._seen.values())
+
+    def by_label(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for name, n in self._seen.values():
+            out[name] += n
+        return dict(out)
+
+    def of(self, name: str) -> int:
+        """Bytes under ``name`` and its sub-labels (``name:anything``)."""
+        return sum(n for label_, n in self.by_label().items()
+                   if label_ == name or label_.startswith(name + ":"))
+
+
+def _group_size(kwargs, args, pos) -> int:
+    group = kwargs.get("group", args[pos] if len(args) > pos else None)
+    return dist.get_world_size(group)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# name -> (kind, function(args, kwargs) -> bytes received per rank)
+_COUNTED = {
+    "all_gather_single": ("all_gather", lambda a, k: _bytes(a[0]) * (_group_size(k, a, 2) - 1) // _group_size(k, a, 2)),
+    "reduce_scatter_single": ("reduce_scatter", lambda a, k: _bytes(a[1]) * (_group_size(k, a, 3) - 1) // _group_size(k, a, 3)),
+    "all_gather_into_tensor": ("all_gather", lambda a, k: _bytes(a[0]) * (_group_size(k, a, 2) - 1) // _group_size(k, a, 2)),
+    "_all_gather_base": ("all_gather", lambda a, k: _bytes(a[0]) * (_group_size(k, a, 2) - 1) // _group_size(k, a, 2)),
+    "all_gather": ("all_gather", lambda a, k: sum(_bytes(x) for x in a[0]) * (_group_size(k, a, 2) - 1) // _group_size(k, a, 2)),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: _bytes(a[1]) * (_group_size(k, a, 3) - 1) // _group_size(k, a, 3)),
+    "_reduce_scatter_base": ("reduce_scatter", lambda a, k: _bytes(a[1]) * (_group_size(k, a, 3) - 1) // _group_size(k, a, 3)),
+    "all_reduce": ("all_reduce", lambda a, k: 2 * _bytes(a[0]) * (_group_size(k, a, 2) - 1) // _group_size(k, a, 2)),
+    "broadcast": ("broadcast", lambda a, k: _bytes(a[0])),
+    "all_to_all_single": ("all_to_all", lambda a, k: _bytes(a[0]) * (_group_size(k, a, 4) - 1) // _group_size(k, a, 4)),
+}
+
+
+class CollectiveBytes:
+    """Count collective bytes per kind while the ``with`` block runs (all threads)."""
+
+    def __init__(self, modules_prefixes=("megatron", "regather", "torch.distributed")):
+        self._prefixes = modules_prefixes
+        self._lock = threading.Lock()
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._patched: list[tuple[object, str, object]] = []
+        self.active = True
+
+    def _wrap(self, fn, kind, size_of):
+        def counted(*args, **kwargs):
+            # a collective counts once: torch's deprecated names call the new ones
+            # (all_gather_into_tensor -> all_gather_single), which are wrapped too
+            outer = not getattr(_NESTED, "depth", 0)
+            if self.active and outer:
+                n = size_of(args, kwargs)
+                with self._lock:
+                    self.bytes[kind] += n
+                    self.calls[kind] += 1
+            _NESTED.depth = getattr(_NESTED, "depth", 0) + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _NESTED.depth -= 1
+
+        counted.__wrapped__ = fn
+        return counted
+
+    def __enter__(self):
+        originals = {getattr(dist, name): name for name in _COUNTED if hasattr(dist, name)}
+        wrappers = {fn: self._wrap(fn, *_COUNTED[name]) for fn, name in originals.items()}
+        targets = [dist] + [m for n, m in list(sys.modules.items())
+                            if m is not None and n.startswith(self._prefixes)]
+        for mod in targets:
+            for attr, value in list(vars(mod).items()):
+                try:
+                    wrapped = wrappers.get(value)
+                except Exception:  # unhashable; or a placeholder whose __hash__ raises (Bridge's
+                    continue       # UnavailableMeta stand-ins for missing optional packages)
+                if wrapped is not None:
+                    self._patched.append((mod, attr, value))
+                    setattr(mod, attr, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for mod, attr, value in reversed(self._patched):
+            setattr(mod, attr, value)
+        self._patched.clear()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes.clear()
+            self.calls.clear()
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.bytes)

@@ -1,0 +1,32 @@
+"""The LoRA-A paths, one module each; the adapter looks one up per forward (:mod:`.paths`).
+
+Where bytes are saved, sent and recomputed:
+
+- :mod:`~regather.core.strategies.gather`       — keep the gathered input (classic path)
+- :mod:`~regather.core.strategies.pregathered`  — LoRA-A on an input the base layer already gathered
+- :mod:`~regather.core.strategies.regather`     — keep the local shard, gather again in backward
+- :mod:`~regather.core.strategies.lowrank`      — replicated LoRA-A on the local shard, gather rank-r output
+- :mod:`~regather.core.strategies.local`        — inputs that need no sequence gather (row-parallel, SP off)
+- :mod:`~regather.core.recompute.sources`  — what a path saves for ``dA``: the input (kept), or what
+  its producer keeps, recomputed in backward (producers found by :mod:`regather.megatron.dense.producers`)
+- :mod:`~regather.core.strategies.wgrad`        — the shared weight-gradient GEMM / main_grad fusion
+- :mod:`~regather.core.strategies.path`, :mod:`~regather.core.strategies.paths` — the interface and the lookup
+"""
+
+from enum import Enum
+
+
+class Strategy(str, Enum):
+    GATHER = "gather"
+    REGATHER = "regather"
+    LOWRANK = "lowrank"
+
+    @classmethod
+    def parse(cls, value) -> "Strategy":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            names = ", ".join(repr(s.value) for s in cls)
+            raise ValueError(f"unknown strategy {value!r}; expected one of {names}") from None

@@ -1,0 +1,48 @@
+"""LoRA-A on an input that needs no sequence gather.
+
+=================== ===================== ============================================
+path                input                 LoRA-A
+=================== ===================== ============================================
+``row``             ``x_i [s, b, h/t]``   row-parallel ``A_i [r, h/t]`` (``linear_proj``,
+                    (split over hidden)   ``linear_fc2``); the adapter reduces ``mid``
+``replicated``      ``x [s, b, h]``       column-parallel ``A_i [r/t, h]`` without SP;
+                    (same on every rank)  ``dX`` is all-reduced over TP (a copy to the group)
+``dispatched``      ``x [n, h]`` (the     column-parallel ``A_i [r/t, h]`` of a base that
+                    token dispatcher's    leaves TP communication to its caller (MoE
+                    output, same on every experts: ``explicit_expert_comm``); ``dX`` stays
+                    expert-TP rank)       partial, as the base's: the dispatcher's reverse
+                                          reduce-scatters both over expert TP
+=================== ===================== ============================================
+
+``row`` and ``dispatched`` also run per-expert adapters (``splits``: the ``m_splits`` row
+blocks of grouped experts, one LoRA-A per block, :class:`~regather.core.strategies.wgrad.
+GroupedLinearWithWgrad`).
+
+Saved for backward: the input, through the path's source — kept, or, for ``row``
+(``linear_fc2``), recomputed from what the MLP activation already keeps
+(:mod:`regather.core.recompute.sources`). No collective of their own beyond the copy's
+backward all-reduce.
+"""
+
+from __future__ import annotations
+
+from regather.core import mappings
+from regather.core.strategies.path import LoraAPath
+from regather.core.strategies.wgrad import linear
+
+
+def _row(x, weight, args):
+    return linear(x, weight, args.fuse, args.source, args.splits)
+
+
+def _replicated(x, weight, args):
+    return linear(mappings.copy_to_group(x, args.group), weight, args.fuse)
+
+
+ROW = LoraAPath("row", saves="x_i [s, b, h/t] (or what its producer keeps)", sends="none",
+                recomputes=True, fn=_row)
+DISPATCHED = LoraAPath("dispatched", saves="x [n, h] (the dispatched tokens)",
+                       sends="none (dX is reduced over expert TP by the dispatcher, with the base's)",
+                       recomputes=False, fn=_row)
+REPLICATED = LoraAPath("replicated", saves="x [s, b, h]", sends="backward: all-reduce dX",
+                       recomputes=False, fn=_replicated)

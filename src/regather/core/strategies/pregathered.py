@@ -1,0 +1,49 @@
+"""LoRA-A on an input the base layer has already gathered over the sequence.
+
+Used with Transformer Engine's ``TELayerNormColumnParallelLinear`` on the gather
+path (:mod:`regather.megatron.dense.te`): TE returns its LayerNorm output *after* its own
+sequence all-gather (``return_layernorm_output_gathered=True``), so the adapter
+must not gather a second time.
+
+=========== ================== ==============================================
+tensor      shape              role
+=========== ================== ==============================================
+x_full      ``[s, b, h]``      the gathered LayerNorm output (from the base)
+A_i         ``[r/t, h]``       this rank's LoRA-A rows
+mid_i       ``[s, b, r/t]``    ``x_full A_i^T``
+=========== ================== ==============================================
+
+Forward: one GEMM, no communication. Saved for backward: ``x_full`` (as on the
+gather path). Backward: ``dA_i = dmid_i^T x_full`` (through
+:func:`regather.core.strategies.wgrad.weight_grad`) and the rank-*partial*
+``dX_full = dmid_i A_i``, returned *without* a reduction: the base layer's
+backward of its all-gather is a reduce-scatter over the TP group, which sums
+these partials together with its own dgrad (TE adds the gradient of its
+gathered LayerNorm output to its dgrad before that reduce-scatter). Adding a
+TP all-reduce here would count each rank's contribution ``t`` times — the
+same reason megatron Bridge builds this adapter with ``disable_grad_reduce``.
+
+The GEMMs and their operands are those of :func:`~regather.core.strategies.gather.gather_linear_a`
+after its gather, so the two paths give bit-identical ``mid``, ``dA`` and partial ``dX``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from regather.core.strategies.path import LoraAPath
+from regather.core.strategies.wgrad import linear
+
+
+def pregathered_linear_a(x_full: torch.Tensor, weight: torch.Tensor, fuse: bool) -> torch.Tensor:
+    """``x_full @ weight^T`` for an input already gathered over the sequence (no collective)."""
+    return linear(x_full, weight, fuse)
+
+
+def _pregathered(x, weight, args):
+    return pregathered_linear_a(x if args.x_full is None else args.x_full, weight, args.fuse)
+
+
+# the caller's gather (TE's, or LoRALinear's shared one) sends; this path adds nothing
+PREGATHERED = LoraAPath("pregathered", saves="x_full [s, b, h]", sends="none (the base layer's gather)",
+                        recomputes=False, fn=_pregathered)

@@ -1,0 +1,150 @@
+"""``regather.bridge.LoRA``: regather's adapters behind Megatron Bridge's PEFT protocol.
+
+A drop-in for ``megatron.bridge.peft.lora.LoRA`` in a Bridge recipe::
+
+    from regather.bridge import LoRA
+
+    cfg.peft = LoRA(dim=16, alpha=32, sequence_parallel_input_regather=True)
+    cfg.peft = LoRA(dim=16, alpha=32, sequence_parallel_input_strategy="lowrank")
+
+It *is* a Bridge ``LoRA`` (a dataclass subclass: every Bridge field, ``isinstance``
+checks such as Bridge's LoRA-aware FLOP count, ``params_to_save`` /
+``set_params_to_save``, ``adapter_key_filter``, ``freeze_model`` and
+``PEFT.__call__(model, training)`` on a module or a list of model chunks all come
+from Bridge), plus regather's fields ``sequence_parallel_input_strategy``
+("gather" | "regather" | "lowrank"), ``early_regather``,
+``lowrank_grad_allreduce``, ``share_sequence_gather``, ``recompute_adapter_inputs`` and
+``redispatch_expert_inputs`` (see :class:`regather.LoRA`).
+
+Only :meth:`LoRA.transform` differs: a megatron column- or row-parallel linear
+that Bridge's matcher selects (``target_modules``, wildcards, or Bridge's
+``exclude_modules`` mode) becomes a :class:`regather.LoRALinear` with a
+:class:`regather.ParallelLinearAdapter`, built by :meth:`regather.megatron.lora.LoRA.make_adapter`.
+Parameter and state-dict names follow Bridge's (``…linear_qkv.adapter.linear_in.weight``).
+MoE expert linears are regather's too, with Bridge's layouts and options: SequentialMLP
+experts get an adapter each; TE grouped experts one adapter shared by the local experts
+(``share_expert_adapters=True``, Bridge's default) or one per expert (``False``);
+``normalize_moe_lora`` gives expert adapters ``dim // moe_router_topk`` (:mod:`regather.megatron.moe.experts`).
+Modules regather does not adapt — plain ``torch.nn.Linear``, MoE routers, grouped experts
+under ``experts_shared_outer_loras=True`` (Bridge's serving layout) — go to Bridge's own
+``transform`` and get Bridge's adapters. ``lora_dtype``, as in Bridge, applies only to those
+plain ``nn.Linear`` adapters.
+
+Bridge's ``ConfigContainer`` declares ``peft: Optional[PEFT]`` and, in
+``validate()``, only asks for ``checkpoint.pretrained_checkpoint`` when it is set;
+its training setup calls ``peft(model, training=True)`` then
+``peft.set_params_to_save(model)``, and its checkpointing filters with
+``peft.adapter_key_filter``. When a config is written to YAML, the class is
+recorded as ``_target_: regather.bridge.LoRA``; Bridge instantiates only targets
+under its allow-listed prefixes, so call
+``megatron.bridge.utils.instantiate_utils.register_allowed_target_prefix("regather")``
+before loading such a YAML.
+
+Importing this module needs Megatron Bridge; ``import regather`` never imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+try:
+    from megatron.bridge.peft.lora import LoRA as BridgeLoRA
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess without Bridge
+    raise ImportError(
+        "regather.bridge needs Megatron Bridge (the megatron.bridge.peft package): "
+        "`pip install megatron-bridge` into this environment, or use regather.LoRA, which needs only "
+        f"megatron-core. The import failed with: {type(exc).__name__}: {exc}"
+    ) from exc
+
+from torch import nn
+
+from regather.megatron.dense.adapter import ParallelLinearAdapter
+from regather.megatron.dense.linears import is_parallel_linear
+from regather.megatron.dense.model import finish_wrapping
+from regather.megatron.dense.wrapper import LoRALinear
+from regather.megatron.lora import LoRA as RegatherLoRA
+from regather.megatron.lora import attach_producers
+from regather.megatron.moe import experts
+
+__all__ = ["BridgeLoRA", "LoRA"]
+
+_WRAPPER_CHILDREN = ("to_wrap", "adapter")
+
+
+@dataclass
+class LoRA(BridgeLoRA):
+    """Megatron Bridge's ``LoRA`` whose dense parallel-linear adapters are regather's."""
+
+    # "gather" | "regather" | "lowrank"; None follows sequence_parallel_input_regather.
+    sequence_parallel_input_strategy: str | None = None
+    # regather: start the backward gather when the output gradient arrives (bit-identical).
+    early_regather: bool = True
+    # lowrank: "backward" or "finalize_model_grads" (megatron-core's) sums the TP-partial dA.
+    lowrank_grad_allreduce: str = "backward"
+    # one forward gather / backward reduce-scatter for a frozen ColumnParallelLinear and its adapter.
+    share_sequence_gather: bool = False
+    # rebuild adapter inputs in backward from what their producers keep (regather.megatron.dense.producers; MoE
+    # experts: regather.megatron.moe.inputs), and per-expert LoRA-A inputs by re-dispatching the router's input
+    recompute_adapter_inputs: bool = False
+    redispatch_expert_inputs: bool = False
+
+    def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        self.regather_config()  # validates the fields now: a bad config fails at construction
+
+    def regather_config(self) -> RegatherLoRA:
+        """The :class:`regather.LoRA` these fields describe (it builds the adapters)."""
+        return RegatherLoRA(
+            target_modules=list(self.target_modules or []),
+            dim=self.dim,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            dropout_position=self.dropout_position,
+            lora_A_init_method=self.lora_A_init_method,
+            lora_B_init_method=self.lora_B_init_method,
+            a2a_experts=self.a2a_experimental,
+            sequence_parallel_input_regather=self.sequence_parallel_input_regather,
+            sequence_parallel_input_strategy=self.sequence_parallel_input_strategy,
+            early_regather=self.early_regather,
+            lowrank_grad_allreduce=self.lowrank_grad_allreduce,
+            share_sequence_gather=self.share_sequence_gather,
+            recompute_adapter_inputs=self.recompute_adapter_inputs,
+            redispatch_expert_inputs=self.redispatch_expert_inputs,
+            share_expert_adapters=self.share_expert_adapters,
+            normalize_moe_lora=self.normalize_moe_lora,
+        )
+
+    def __call__(self, model, training: bool = True):
+        """Bridge's ``PEFT.__call__`` (validate matches, freeze, walk ``transform``, set the mode),
+        after re-validating the fields (recipes set them after construction)."""
+        config = self.regather_config()
+        model = super().__call__(model, training=training)
+        for chunk in model if isinstance(model, list) else [model]:
+            chunk = getattr(chunk, "module", chunk)
+            if config.recompute_adapter_inputs:  # after every wrap: producers hook the final modules
+                attach_producers(chunk)
+            finish_wrapping(chunk)
+        return model
+
+    def transform(self, module: nn.Module, name: str | None = None, prefix: str | None = None) -> nn.Module:
+        """Wrap ``module`` in a regather ``LoRALinear`` when Bridge's matcher selects it."""
+        full_name = f"{prefix}.{name}" if prefix else (name or "")
+        if isinstance(module, (LoRALinear, ParallelLinearAdapter)) or any(
+            part in _WRAPPER_CHILDREN for part in full_name.split(".")
+        ):
+            return module  # already adapted, or inside an adapted linear
+        if not self._regather_adapts(module):
+            return super().transform(module, name, prefix)  # Bridge's own adapter (see module doc)
+        match = self.match(module, name, prefix)
+        if match is None:
+            return module
+        _, path = match
+        config = self.regather_config()
+        return config.wrap(module, config.make_adapter(path, module))
+
+    def _regather_adapts(self, module: nn.Module) -> bool:
+        if isinstance(module, nn.Linear) or not (is_parallel_linear(module) or experts.is_grouped_linear(module)):
+            return False
+        return not (self.experts_shared_outer_loras and experts.is_grouped_linear(module))

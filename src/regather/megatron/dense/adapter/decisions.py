@@ -1,0 +1,145 @@
+"""What an adapter does on a forward, and why: its strategy, and whether its input is rebuilt.
+
+Every forward re-evaluates :func:`regather.megatron.dense.eligibility.unsupported_reason`
+(a mode change — ``eval()``, ``no_grad``, activation recompute — takes effect at once): when the
+requested strategy cannot run, the gather path runs with unchanged numerics. With
+``recompute_adapter_inputs`` it then asks the adapter's producer whether the input can be
+rebuilt from what the producer keeps (:mod:`regather.megatron.dense.producers`); the first
+rebuild of each adapter is compared with the forward's input bit for bit, and a producer that
+fails is switched off for that adapter. Each outcome is a :class:`~regather.core.decision.Decision`;
+the first reason of each kind is reported to the model's fallback log
+(:mod:`regather.core.fallback_log`: one line per reason and model).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from regather.core import fallback_log
+from regather.core.decision import Decision, Reason
+from regather.core.recompute.graph import reason_now
+from regather.core.recompute.sources import KEEP, Recomputed
+from regather.core.strategies import Strategy
+from regather.core.strategies.paths import lookup
+from regather.megatron.dense.eligibility import RunState, checkpointed_by_config, unsupported_reason
+from regather.megatron.reasons import EXPERT_INPUT_KEPT, IN_CHECKPOINT
+
+# Fallbacks logged at INFO: those that depend on the moment (mode, autograd state) and those
+# the feature excludes by design (row-parallel, other bases, experts). Everything else may
+# surprise a user and is a WARNING.
+INFO_REASONS = ("module is in eval mode", "autograd is disabled", "running inside activation", "base layer")
+NOT_REPRODUCED = "does not reproduce the adapter input bit for bit; the input is kept"
+
+
+class AdapterDecisions:
+    """The decision half of :class:`~regather.megatron.dense.adapter.ParallelLinearAdapter`."""
+
+    def init_decisions(self, recompute_inputs: bool) -> None:
+        """The decision state of a new adapter (called by its constructor)."""
+        # LoRA(recompute_adapter_inputs=True): save what the input's producer keeps; the producer
+        # is attached by regather.LoRA from the model
+        self.recompute_inputs = bool(recompute_inputs)
+        self.producer = None
+        self.producer_reason: str | None = "no producer attached (the adapter was built outside regather.LoRA)"
+        self.fallback_log = None  # the model's fallback_log.FallbackLog, attached by regather.LoRA
+        self.last_decision: Decision | None = None
+        self._recompute_verified = False
+        self._logged_recompute = False
+        self._logged = False
+
+    def reset_fallback_log(self) -> None:
+        """Report the next fallback again (after a strategy switch)."""
+        self._logged = False
+
+    @property
+    def log_name(self) -> str:
+        """The adapter's name in decisions and log lines (its path in the model once wrapped)."""
+        return getattr(self, "qualified_name", self.facts.base_name)
+
+    def decide(self) -> Decision:
+        """The strategy this adapter would use if called now, and why (the recompute part as far
+        as it is known before a forward: each forward also checks its producer, see ``last_decision``)."""
+        state = RunState.capture(self, self.linear_in.weight)
+        if self.strategy == Strategy.GATHER:
+            decision = Decision(Strategy.GATHER, Strategy.GATHER, None)
+        else:
+            reason = unsupported_reason(self.facts, self.config, state)
+            decision = Decision(self.strategy, Strategy.GATHER if reason else self.strategy, reason)
+        if not self.recompute_inputs or not (state.training and state.grad_enabled):
+            return decision  # nothing is saved for backward in eval / no_grad
+        why = self._recompute_unsupported(decision, state)
+        if why is not None:
+            return replace(decision, recompute_reason=why)
+        return replace(decision, recompute=self.producer.name)
+
+    def _recompute_unsupported(self, decision: Decision, state: RunState) -> str | None:
+        path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel,
+                      explicit_comm=self.dispatched)
+        if path.name == "dispatched" and (self.producer is None or not self.facts.is_expert):
+            # expert fc1: from the router's input (regather.megatron.moe.inputs), when a producer was found
+            return (self.producer_reason if self.facts.is_expert else None) or EXPERT_INPUT_KEPT
+        if not path.recomputes and path.name != "dispatched":
+            return (f"the {path.name} path keeps its input as it is (recompute of a column-parallel "
+                    f"adapter's input needs regather or lowrank)")
+        if state.in_recompute:
+            return IN_CHECKPOINT
+        if self.dropout is not None and self.dropout_position == "pre":
+            return "dropout is applied to the adapter input (dropout_position='pre')"
+        if self.producer is None:
+            return self.producer_reason
+        if checkpointed_by_config(self.config, self.facts.base_name, expert=self.facts.is_expert):
+            # every forward of this adapter will run inside megatron's activation checkpoint: say
+            # now what each of them will say (decisions() before a forward must not promise more)
+            return IN_CHECKPOINT
+        return reason_now(self.producer)
+
+    def input_source(self, x: torch.Tensor, plan):
+        """KEEP, or a Recomputed source when this forward's producer checks pass (updates the
+        plan's decision with the outcome)."""
+        decision = plan.decision
+        if decision.recompute is None:
+            self._log_recompute(decision)
+            return KEEP
+        captured = self.producer.capture(x)
+        if not isinstance(captured, (str, tuple)):  # a ready source: expert inputs, verified per MoE layer
+            return captured
+        if not isinstance(captured, str) and not self._recompute_verified:
+            captured = self._verify_recompute(x, captured)
+        if isinstance(captured, str):
+            plan.decision = self.last_decision = replace(decision, recompute=None, recompute_reason=captured)
+            self._log_recompute(plan.decision)
+            return KEEP
+        return Recomputed(self.producer, captured)
+
+    def _verify_recompute(self, x: torch.Tensor, captured: tuple):
+        """First recompute of this adapter: bit-identical to the forward's input, or switched off."""
+        with torch.no_grad():  # the check itself must leave no graph (nothing saved, no bytes)
+            again = self.producer.recompute(*captured)
+            if again.shape == x.shape and again.dtype == x.dtype and torch.equal(again, x):
+                self._recompute_verified = True
+                return captured
+            diff = (again.float() - x.float()).abs().max().item() if again.shape == x.shape else "shape"
+        # the sentence names the producer only: the measured difference is the reason's detail
+        self.producer_reason = Reason(f"recomputing {self.producer.name} {NOT_REPRODUCED}", detail=f"max |diff| {diff}")
+        self.producer = None
+        return self.producer_reason
+
+    def _log_recompute(self, decision: Decision) -> None:
+        if self._logged_recompute or decision.recompute_reason is None:
+            return
+        self._logged_recompute = True
+        fallback_log.report(self.fallback_log, "recompute_adapter_inputs requested, keeping the input",
+                            decision.recompute_reason, self.log_name,
+                            logging.WARNING if "bit for bit" in decision.recompute_reason else logging.INFO)
+
+    def log_fallback(self, decision: Decision) -> None:
+        """Report the first fallback of this adapter to the model's log."""
+        if self._logged or decision.reason is None:
+            return
+        self._logged = True
+        expected = decision.reason.startswith(INFO_REASONS) or "expert" in decision.reason
+        fallback_log.report(self.fallback_log, f"{decision.requested.value} requested, using the gather path",
+                            decision.reason, self.log_name, logging.INFO if expected else logging.WARNING)

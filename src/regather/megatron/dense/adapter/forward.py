@@ -1,0 +1,208 @@
+"""One forward of an adapter: plan it (decide, anchor early re-gather), then run its path.
+
+Column-parallel base, data flow per rank (SP on, input ``x_local [s/t, b, h]``)::
+
+    mid_i = LoRA-A(x_local)            path: gather | regather | ...   [s, b, r/t]
+    mid   = gather_last_dim(mid_i)                                    [s, b, r]
+    out_i = scale * mid B_i^T          backward all-reduces dmid      [s, b, o/t]
+
+Low-rank strategy (LoRA-A replicated ``[r, h]``)::
+
+    mid   = all_gather_seq(x_local A^T)    backward: reduce-scatter    [s, b, r]
+    out_i = scale * mid B_i^T          backward does NOT all-reduce   [s, b, o/t]
+
+Row-parallel base (input ``x_i [s, b, h/t]``)::
+
+    mid   = all_reduce(x_i A_i^T)                                     [s, b, r]
+    out   = gather_last_dim(mid B_i^T) -> scatter over sequence       [s/t, b, o]
+
+The LoRA-A path comes from :func:`regather.core.strategies.paths.lookup`; every collective is
+:mod:`regather.core.mappings` (megatron-core's ``tensor_parallel.mappings``, bit for bit). What
+LoRA-A saves is counted under ``adapter_input:<base>`` (:mod:`regather.core.accounting`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from regather.core import accounting, debug, mappings
+from regather.core.buffers import default_pool
+from regather.core.decision import Decision
+from regather.core.strategies import Strategy
+from regather.core.strategies.lowrank import replicated_shard
+from regather.core.strategies.paths import PathArgs, lookup
+from regather.core.strategies.predispatched import PREDISPATCHED
+from regather.core.strategies.regather import RegatherSlot, anchor, new_slot
+from regather.core.strategies.shared_gather import SharedGather
+from regather.core.strategies.wgrad import linear
+
+# Applied to the gathered rank-r activation between LoRA-A and LoRA-B.
+ACTIVATIONS = {
+    "identity": None,
+    "relu": torch.nn.functional.relu,
+    "gelu": torch.nn.functional.gelu,
+    "silu": torch.nn.functional.silu,
+    "swish": torch.nn.functional.silu,
+}
+
+
+@dataclass
+class Plan:
+    """What one forward of an adapter does: the decision, the regather slot if any, and the
+    gather it shares with other adapters on the same input (``CanonicalLoRA``) if any."""
+
+    decision: Decision
+    slot: RegatherSlot | None = None
+    share: SharedGather | None = None
+
+
+def partial_output(out_i: torch.Tensor, rank: int, t: int) -> torch.Tensor:
+    """A row-parallel adapter's output as its share of a sum over TP, for a base whose caller
+    sums partial outputs (an expert ``linear_fc2`` under ``explicit_expert_comm``).
+
+    Such a base returns a *partial* ``[n, o]`` (its input is split over hidden): the token
+    dispatcher's combine reduce-scatters the partials of the expert-TP ranks. The adapter's delta
+    is complete on every rank once ``mid`` is reduced, ``out_i = mid B_i^T`` being its columns
+    ``[rank*o/t, (rank+1)*o/t)``; placed there with zeros elsewhere, the ranks' sum is the delta
+    exactly (each column has one non-zero term). Backward takes those columns of the (replicated)
+    output gradient. Nothing is saved.
+    """
+    if t == 1:
+        return out_i
+    width = out_i.shape[-1]
+    return torch.nn.functional.pad(out_i, (rank * width, (t - 1 - rank) * width))
+
+
+class AdapterForward:
+    """The forward half of :class:`~regather.megatron.dense.adapter.ParallelLinearAdapter`."""
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """``x`` has the adapter's dtype, device and local input features (else a clear error)."""
+        w = self.linear_in.weight
+        if x.dtype != w.dtype or x.device != w.device:
+            raise TypeError(
+                f"LoRA adapter on {self.facts.base_name!r}: input is {x.dtype} on {x.device}, "
+                f"but the adapter weights are {w.dtype} on {w.device}"
+            )
+        if x.dim() < 2 or x.shape[-1] != self.in_features_local:
+            raise ValueError(
+                f"LoRA adapter on {self.facts.base_name!r}: input shape {tuple(x.shape)} does not end "
+                f"in {self.in_features_local} features"
+            )
+
+    @property
+    def dispatched(self) -> bool:
+        """The base's caller does its TP communication (MoE experts at any EP x ETP, shared experts
+        with overlap): no collective on the input, a partial output for a row-parallel base."""
+        return self.facts.explicit_comm or self.facts.is_expert
+
+    @property
+    def in_features_local(self) -> int:
+        return self.linear_in.weight.shape[-1]
+
+    def plan(self, x: torch.Tensor, share: SharedGather | None = None) -> tuple[torch.Tensor, Plan]:
+        """Decide this forward's strategy. For regather with early re-gather, also route ``x``
+        through the deferred-``dA`` anchor; a wrapper (``LoRALinear``) calls this *before* its
+        base layer so that ``dA`` waits for the base's dgrad too, and feeds the returned ``x``
+        to both. See :mod:`regather.core.strategies.regather`."""
+        self.check_input(x)
+        debug.maybe_check_adapter_input(self, x)  # opt-in: REGATHER_DEBUG_SHAPES=1 / check_shapes
+        decision = self.decide()
+        self.last_decision = decision
+        self.log_fallback(decision)
+        slot = None
+        share = share if decision.used == Strategy.REGATHER else None  # only regather gathers again
+        if decision.used == Strategy.REGATHER and self.early_regather:
+            slot = new_slot(x, self.tp_group, self.pool, early=True, share=share)
+            x = anchor(x, self.linear_in.weight, slot)
+        return x, Plan(decision, slot, share)
+
+    def shares_input_gather(self, plan: Plan) -> bool:
+        """Whether this forward's LoRA-A reads the full input (gather/regather, column-parallel,
+        SP) computed from the same tensor as the base layer (no "pre" dropout), so a wrapper may
+        gather it once for both (``LoRA(share_sequence_gather=True)``)."""
+        return (self.column_parallel and self.sequence_parallel
+                and plan.decision.used in (Strategy.GATHER, Strategy.REGATHER)
+                and not (self.dropout is not None and self.dropout_position == "pre"))
+
+    def weights_for_forward(self, fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """LoRA-A and LoRA-B as this forward reads them (called: DDP's param-gather pre-hooks run).
+        An adapter shared over expert parallelism returns copies whose gradients are summed."""
+        return self.linear_in(), self.linear_out()
+
+    def row_blocks(self, x: torch.Tensor, m_splits):
+        """Row blocks for per-expert weights (``None``: one weight for all rows)."""
+        return None
+
+    def forward(self, x: torch.Tensor, plan: Plan | None = None, input_gathered: bool = False,
+                x_full: torch.Tensor | None = None, m_splits=None) -> torch.Tensor:
+        """``input_gathered``: ``x`` is ``[s, b, h]``, already gathered over the sequence by the
+        base layer (TE's gathered LayerNorm output, :mod:`regather.megatron.dense.te`); gather path only.
+
+        ``x_full``: ``all_gather_seq(x)`` made by the caller for the base layer too, whose
+        backward reduce-scatters (:func:`regather.core.mappings.gather_seq`). LoRA-A computes on
+        it and returns its *partial* input gradient to it (one reduce-scatter for base +
+        adapter); regather still saves only ``x`` and re-gathers it for ``dA``. Only when
+        :meth:`shares_input_gather` holds.
+
+        ``m_splits``: grouped experts' tokens per local expert; a shared adapter ignores them,
+        a per-expert one (:class:`regather.megatron.moe.adapters.GroupedExpertAdapter`) needs them."""
+        if plan is None:
+            x, plan = self.plan(x)
+        decision, slot = plan.decision, plan.slot
+        if x_full is not None and not self.shares_input_gather(plan):
+            raise ValueError(f"LoRA adapter on {self.facts.base_name!r}: a shared x_full was given, "
+                             f"but this forward ({decision}) cannot use one")
+        if input_gathered and not (self.column_parallel and self.sequence_parallel
+                                   and decision.used == Strategy.GATHER):
+            raise ValueError(f"LoRA adapter on {self.facts.base_name!r}: input_gathered=True needs a "
+                             f"column-parallel base with sequence parallelism on the gather path "
+                             f"(this forward uses {decision.used.value})")
+        source = self.input_source(x, plan)  # before dropout: x is the producer's output
+        decision = plan.decision
+        if self.dropout is not None and self.dropout_position == "pre":
+            x = self.dropout(x)
+        group, fuse = self.tp_group, self.gradient_accumulation_fusion
+        a, b = self.weights_for_forward(fuse)
+        lowrank = self.column_parallel and self.sequence_parallel and decision.used == Strategy.LOWRANK
+        if self.replicated_a and not lowrank:  # fallback: this rank's rows, grads completed over TP
+            a = replicated_shard(a, self.tp_rank, self.tp_size, group, fuse, self.lowrank_reduce_in_backward)
+        explicit = self.dispatched
+        path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel,
+                      shared=x_full is not None, gathered=input_gathered, explicit_comm=explicit)
+        # a shared expert LoRA-A on the MoE layer's input, its output sent along the tokens' route:
+        # mid arrives complete over expert TP (the route gathers it and sums dmid)
+        predispatched = source.name == PREDISPATCHED.name
+        if predispatched:
+            path = PREDISPATCHED
+        splits = self.row_blocks(x, m_splits)
+        args = PathArgs(group=group, fuse=fuse, pool=self.pool or default_pool(), slot=slot, source=source,
+                        x_full=x_full, reduce_dA=self.lowrank_reduce_in_backward, share=plan.share, splits=splits)
+        # what LoRA-A saves is counted apart, per base layer (accounting.SavedBytes.of)
+        with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.facts.base_name}"):
+            mid = path(x, a, args)
+        complete = lowrank or predispatched  # mid is [.., r] and its route's backward sums dmid over TP
+        if self.column_parallel and not complete:
+            mid = mappings.gather_last_dim(mid, group)
+        elif not self.column_parallel:
+            mid = mappings.reduce_from_group(mid, group)
+
+        if self.activation_fn is not None:
+            mid = self.activation_fn(mid)
+        if not complete:
+            mid = mappings.copy_to_group(mid, group)
+        out = linear(mid, b, fuse, splits=splits)
+        if not self.column_parallel and explicit:  # the caller sums the base's partial outputs
+            out = partial_output(out, self.tp_rank, self.tp_size)
+        elif not self.column_parallel:
+            out = mappings.gather_last_dim(out, group)
+            if self.sequence_parallel:
+                out = mappings.scatter_seq(out, group)
+        if self.dropout is not None and self.dropout_position == "post":
+            out = self.dropout(out)
+        out = out * self.scale
+        if slot is not None and out.requires_grad:
+            out.register_hook(slot.on_output_grad)  # early re-gather: start when dout arrives
+        return out

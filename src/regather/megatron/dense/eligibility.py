@@ -1,0 +1,155 @@
+"""When may a LoRA-A skip keeping its gathered input? (design.md §5)
+
+:func:`unsupported_reason` returns ``None`` when the sequence-local strategies
+(regather, and later lowrank) may run, otherwise the *first* rule that fails,
+as a sentence naming the offending values. The adapter evaluates it on every
+forward, so a change of mode (``eval()``, ``no_grad``, recompute) takes effect
+at once. Rules are checked in a fixed order; tests pin each message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from regather.megatron.reasons import ELIGIBLE_BASES, EXPERT_REASON, IN_CHECKPOINT
+
+
+@dataclass(frozen=True)
+class AdapterFacts:
+    """What an adapter knows about its base layer; fixed when it is built."""
+
+    base_name: str  # the attribute name of the wrapped linear, e.g. "linear_qkv"
+    column_parallel: bool
+    sequence_parallel: bool  # the base layer communicates over the sequence
+    tp_size: int
+    is_expert: bool = False
+    a2a_experts: bool = False
+    activation: str = "identity"
+    # the base does no TP communication of its own: its caller does it (megatron's
+    # explicit_expert_comm / TE's parallel_mode=None: MoE experts, shared experts with overlap)
+    explicit_comm: bool = False
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What may change between two forwards of the same adapter."""
+
+    training: bool
+    grad_enabled: bool
+    in_recompute: bool
+    lora_a_trainable: bool
+
+    @classmethod
+    def capture(cls, module: torch.nn.Module, lora_a: torch.Tensor) -> RunState:
+        return cls(
+            training=module.training,
+            grad_enabled=torch.is_grad_enabled(),
+            in_recompute=in_activation_recompute(),
+            lora_a_trainable=lora_a.requires_grad,
+        )
+
+
+def in_activation_recompute() -> bool:
+    """True where activation checkpointing will run (or is running) this forward again.
+
+    Covers megatron's checkpointed forward and recompute (``is_checkpointing``),
+    any recompute inside a backward pass (reentrant ``torch.utils.checkpoint``),
+    and both passes of non-reentrant ``torch.utils.checkpoint``, whose recompute
+    must save exactly what the first forward saved: the adapter takes the gather
+    path in both, instead of failing with a CheckpointError in backward.
+    """
+    if torch._C._current_graph_task_id() != -1:
+        return True
+    top = _top_saved_tensors_hook()
+    if top is not None and getattr(top, "__module__", "") == "torch.utils.checkpoint":
+        return True
+    try:
+        from megatron.core.tensor_parallel.random import is_checkpointing
+    except ImportError:  # megatron-core is optional for the unit-level API
+        return False
+    return bool(is_checkpointing())
+
+
+def _top_saved_tensors_hook():
+    """The pack hook of the innermost ``saved_tensors_hooks`` context, if torch exposes it."""
+    getter = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if getter is None:
+        return None
+    try:
+        hooks = getter(False)
+    except (TypeError, RuntimeError):
+        return None
+    return hooks[0] if hooks else None
+
+
+def _cuda_graphs_on(config: Any) -> str | None:
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl != "none":
+        return f"CUDA graphs are on (cuda_graph_impl={impl!r})"
+    for flag in ("enable_cuda_graph", "external_cuda_graph"):
+        if getattr(config, flag, False):
+            return f"CUDA graphs are on ({flag}=True)"
+    return None
+
+
+
+def checkpointed_by_config(config: Any, base_name: str, expert: bool = False) -> bool:
+    """Every forward of the adapter on ``base_name`` runs inside megatron's activation
+    checkpoint: full recompute, or selective recompute of ``mlp`` (a dense MLP's ``linear_fc1``
+    and ``linear_fc2``; ``TransformerLayer`` checkpoints the whole MLP) or, for an ``expert``
+    linear, of ``moe`` (``MoELayer`` checkpoints itself; ``mlp`` does not cover MoE layers)."""
+    granularity = getattr(config, "recompute_granularity", None)
+    if granularity == "full":
+        return True
+    modules = getattr(config, "recompute_modules", None) or []
+    if granularity != "selective":
+        return False
+    if expert:
+        return "moe" in modules
+    return "mlp" in modules and base_name in ("linear_fc1", "linear_fc2")
+
+
+def unsupported_reason(facts: AdapterFacts, config: Any, state: RunState) -> str | None:
+    """The first rule that keeps this adapter on the gather path, or None."""
+    if not state.training:
+        return "module is in eval mode"
+    if not state.grad_enabled:
+        return "autograd is disabled (torch.no_grad / inference_mode)"
+    if state.in_recompute:
+        return IN_CHECKPOINT
+    if not state.lora_a_trainable:
+        return "LoRA-A weight is frozen (requires_grad=False)"
+    if facts.is_expert:
+        return EXPERT_REASON
+    if facts.explicit_comm:
+        return (f"base layer {facts.base_name!r} leaves its TP communication to its caller "
+                "(explicit_expert_comm / parallel_mode=None: a MoE shared expert with overlap)")
+    if not facts.column_parallel:
+        return f"base layer {facts.base_name!r} is row-parallel (its input is split over hidden, not sequence)"
+    if not facts.sequence_parallel:
+        return f"sequence parallelism is off for {facts.base_name!r}"
+    if facts.tp_size <= 1:
+        return f"tensor-parallel size is {facts.tp_size}"
+    if facts.a2a_experts:
+        return "adapter uses all-to-all expert communication (a2a_experts=True)"
+    if facts.activation != "identity":
+        return f"adapter activation is {facts.activation!r}, not 'identity'"
+    if getattr(config, "cpu_offloading", False) and getattr(config, "cpu_offloading_activations", True):
+        return "CPU activation offloading is on (cpu_offloading=True)"
+    if getattr(config, "fine_grained_activation_offloading", False):
+        return "fine-grained activation offloading is on"
+    if facts.base_name not in ELIGIBLE_BASES:
+        return f"base layer {facts.base_name!r} is not one of {', '.join(ELIGIBLE_BASES)}"
+    graphs = _cuda_graphs_on(config)
+    if graphs:
+        return graphs
+    granularity = getattr(config, "recompute_granularity", None)
+    if granularity == "full":
+        return "full activation recompute is on (recompute_granularity='full')"
+    modules = getattr(config, "recompute_modules", None) or []
+    if granularity == "selective" and facts.base_name == "linear_fc1" and "mlp" in modules:
+        return f"selective recompute covers 'mlp' (recompute_modules={list(modules)})"
+    return None

@@ -1,0 +1,46 @@
+"""The decision sentences and names shared by the adapters, ``regather estimate`` and ``regather doctor``.
+
+An adapter explains each choice with one of these sentences (``regather.decisions(model)``, the
+fallback log); ``estimate`` and ``doctor`` predict the same choices without building a model and
+must say the same thing, so the sentences live here, once. Sentences that carry a value are
+built where the value is known; a reason never embeds a measured number (numbers go into the
+decision's ``detail``, so one reason is logged once whatever the numbers).
+"""
+
+from __future__ import annotations
+
+from regather.core.recompute.graph import NOTHING_KEPT
+
+#: megatron's four LoRA targets (Megatron Bridge's default ``target_modules``).
+ALL_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+#: The column-parallel bases whose input is a sequence shard under SP: they may re-gather.
+ELIGIBLE_BASES = ("linear_qkv", "linear_fc1")
+#: The norm whose output each eligible base reads (what recompute_adapter_inputs reruns).
+NORM_OF = {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}
+
+IN_CHECKPOINT = "running inside activation checkpointing (its recompute must save what forward saved)"
+
+# -- mixture of experts ----------------------------------------------------------------------------
+
+#: Keys of the expert rows in ``estimate`` (MoE layers).
+EXPERT_TARGETS = ("experts.linear_fc1", "experts.linear_fc2")
+#: megatron's token dispatchers whose route regather replays.
+REPLAYED_DISPATCHERS = ("alltoall", "allgather")
+#: megatron's token dispatchers (``moe_token_dispatcher_type``).
+DISPATCHERS = REPLAYED_DISPATCHERS + ("flex",)
+
+#: An expert's input is the token dispatcher's output (tokens routed to this rank's experts,
+#: already gathered over expert TP), never a sequence shard of a LayerNorm output.
+EXPERT_REASON = "expert linear: its input is the token dispatcher's output, not a sequence shard"
+#: An expert linear_fc1's input: the tokens after permutation and all-to-all / all-gather. With
+#: frozen experts no op of the MoE layer saves them (permute keeps indices, the frozen expert
+#: linear keeps no input), so there is nothing to rebuild them from.
+EXPERT_INPUT_KEPT = "expert linear_fc1: its input is the dispatched tokens, which no op of the MoE layer keeps"
+PREDISPATCH = "the router's input: LoRA-A runs before the dispatch (one LoRA-A for the local experts)"
+REDISPATCH = "the router's input, dispatched again in backward"
+REDISPATCH_OPT_IN = ("per-expert LoRA-A: its input comes back only by dispatching the router's input again in "
+                     "backward, one more dispatch of the tokens per MoE layer (opt in: "
+                     "LoRA(redispatch_expert_inputs=True))")
+ROUTER_KEEPS_NOTHING = f"the router: {NOTHING_KEPT}"
+MOE_ACT_RECOMPUTED = "selective recompute covers the experts' activation ('moe_act' in recompute_modules)"
+ROUTE_NOT_REPRODUCED = "sending the router's input along this forward's route does not reproduce the dispatched tokens"

@@ -1,0 +1,8 @@
+"""``regather bench``: measure the strategies on a real megatron-core GPT (design.md §7).
+
+- :mod:`~regather.tools.bench.runner` — spawn ranks, run every strategy side by side, summarise
+- :mod:`~regather.tools.bench.report` — terminal table, markdown, JSON and PNG chart
+- :mod:`~regather.tools.bench.cli`    — the sub-command
+- :mod:`~regather.tools.bench.moe`    — ``--moe``: the variants on megatron's MoE layers (TP x EP x ETP), summarised
+- :mod:`~regather.tools.bench.moe_report` — its tables, markdown and JSON
+"""

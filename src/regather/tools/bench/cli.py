@@ -1,0 +1,164 @@
+"""``regather bench``: every strategy on a real megatron-core GPT, counted and timed.
+
+Example (the committed CPU runs: the commands are in benchmarks/results/*/bench.md)::
+
+    regather bench --hidden 512 --layers 2 --heads 8 --ffn 2048 --vocab 1024 --seq 1024 --out DIR
+
+Strategies: every one this build implements, and the variants of
+``regather.testing.train.VARIANTS`` (``regather-plain``, ``regather-recompute``,
+``lowrank-recompute``, ``gather-recompute``).
+
+``--moe`` measures a tiny MoE GPT on megatron's own MoE layers instead (:mod:`regather.tools.bench.moe`),
+with the ``<strategy>-recompute-redispatch`` variants too::
+
+    regather bench --moe --tp 2 --ep 2 --experts sequential --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from regather.megatron.canonical import CANONICAL_TARGETS
+from regather.tools.bench.moe import DEFAULT_VARIANTS, DISPATCHERS, EXPERT_KINDS, MoEBenchSpec
+from regather.tools.bench.runner import DEFAULT_TARGETS, BenchSpec
+
+
+def _strategies(value: str) -> tuple:
+    from regather.testing.moe_train import moe_variants
+    from regather.tools.bench.runner import available_strategies
+
+    known = list(dict.fromkeys(available_strategies() + moe_variants()))  # --moe has -recompute-redispatch
+    names = tuple(v.strip().lower() for v in value.split(",") if v.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown strategies {unknown}; this build has {', '.join(known)}")
+    return names
+
+
+def _targets(value: str) -> tuple:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def register(subparsers) -> None:
+    d = BenchSpec()
+    p = subparsers.add_parser(
+        "bench", help="measure retained bytes, communication, step time and parity per strategy",
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model (default: tiny)")
+    g.add_argument("--hidden", type=int, default=d.hidden)
+    g.add_argument("--layers", type=int, default=d.layers)
+    g.add_argument("--heads", type=int, default=d.heads)
+    g.add_argument("--kv-heads", type=int, default=None, help="query groups (GQA); default = heads")
+    g.add_argument("--ffn", type=int, default=d.ffn)
+    g.add_argument("--vocab", type=int, default=d.vocab)
+    g = p.add_argument_group("run")
+    g.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size = ranks spawned")
+    g.add_argument("--seq", type=int, default=d.seq)
+    g.add_argument("--micro-batch", type=int, default=d.micro_batch)
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype)
+    g.add_argument("--lora-rank", type=int, default=d.lora_rank)
+    g.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
+    g.add_argument("--targets", type=_targets, default=None,
+                   help=f"comma list (default: {','.join(DEFAULT_TARGETS)}; with --canonical: "
+                        f"{','.join(CANONICAL_TARGETS)})")
+    g.add_argument("--canonical", action="store_true",
+                   help="regather.CanonicalLoRA (one adapter per q, k, v, gate, up) on a gated SwiGLU GPT; reports "
+                        "the q/k/v and gate/up adapter inputs beside Megatron Bridge's CanonicalLoRA (5 x_full a layer)")
+    g.add_argument("--steps", type=int, default=d.steps, help="steps per strategy (interleaved)")
+    g.add_argument("--warmup", type=int, default=d.warmup, help="first steps left out of the time median")
+    g.add_argument("--strategies", type=_strategies, default=None,
+                   help="comma list (default: all this build implements); gather is always included")
+    g.add_argument("--input-requires-grad", action="store_true",
+                   help="make the decoder input require grad (Megatron Bridge's maybe_enable_recompute_inputs_grad): "
+                        "layer 0's linear_qkv recomputes its input too under the -recompute variants")
+    g.add_argument("--timeout", type=float, default=d.timeout, help="expected seconds; ranks still computing are stopped after 3x this "
+                   "(REGATHER_TEST_TIMEOUT_SCALE), ranks making no progress after 60 s (REGATHER_STALL_TIMEOUT)")
+    g.add_argument("--out", metavar="DIR", help="write bench.json, bench.md and bench.png here")
+    g.add_argument("--quiet", action="store_true", help="no progress line")
+    g.add_argument("--render", metavar="JSON", help="run nothing: print and re-write (with --out) the reports "
+                   "of an earlier bench.json")
+    m, dm = p.add_argument_group("mixture of experts (--moe; ranks = max(tp, ep x etp))"), MoEBenchSpec()
+    m.add_argument("--moe", action="store_true",
+                   help="a tiny MoE GPT on megatron's MoE layers (router, token dispatcher, experts); variants "
+                        "also <strategy>-recompute-redispatch (default: " + ",".join(DEFAULT_VARIANTS) + ")")
+    m.add_argument("--experts", choices=EXPERT_KINDS, default=dm.experts,
+                   help="SequentialMLP (an adapter per expert) or TEGroupedMLP on the TE stand-ins")
+    m.add_argument("--per-expert", action="store_true",
+                   help="grouped experts: one LoRA pair per local expert (share_expert_adapters=False)")
+    m.add_argument("--ep", type=int, default=dm.ep, help="expert-parallel size")
+    m.add_argument("--etp", type=int, default=dm.etp, help="expert tensor-parallel size")
+    m.add_argument("--dispatcher", choices=DISPATCHERS, default=dm.dispatcher)
+    m.add_argument("--num-experts", type=int, default=dm.num_experts)
+    m.add_argument("--topk", type=int, default=dm.topk)
+    m.add_argument("--moe-ffn", type=int, default=dm.moe_ffn, help="each expert's ffn hidden size")
+    m.add_argument("--shared-expert-ffn", type=int, default=dm.shared_expert_ffn, help="0: no shared expert")
+    m.add_argument("--moe-layer-freq", type=int, default=dm.moe_layer_freq,
+                   help="every n-th layer is MoE, the others dense (--ffn)")
+    p.set_defaults(func=main)
+
+
+def spec_from_args(args) -> BenchSpec:
+    from regather.tools.bench.runner import available_strategies
+
+    if getattr(args, "moe", False):
+        return moe_spec_from_args(args)
+    only_moe = [s for s in args.strategies or () if s not in available_strategies()]
+    only_moe += [f"--{n.replace('_', '-')}" for n in _MOE_OPTIONS if getattr(args, n, None) != getattr(MoEBenchSpec, n)]
+    if only_moe:
+        raise SystemExit(f"regather bench: {', '.join(only_moe)}: MoE models only (--moe)")
+    if args.steps <= args.warmup:
+        raise SystemExit(f"regather bench: --steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    targets = args.targets
+    if targets is None:
+        targets = CANONICAL_TARGETS if args.canonical else DEFAULT_TARGETS
+    elif isinstance(targets, str):
+        targets = _targets(targets)
+    return BenchSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, vocab=args.vocab,
+                     kv_heads=args.kv_heads, tp=args.tp, seq=args.seq, micro_batch=args.micro_batch,
+                     dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                     targets=tuple(targets), canonical=args.canonical,
+                     steps=args.steps, warmup=args.warmup, strategies=tuple(args.strategies or ()),
+                     timeout=args.timeout, quiet=args.quiet, input_requires_grad=args.input_requires_grad)
+
+
+_MOE_OPTIONS = ("ep", "etp", "experts", "per_expert", "dispatcher", "num_experts", "topk", "moe_ffn",
+                "shared_expert_ffn", "moe_layer_freq")
+
+
+def moe_spec_from_args(args) -> MoEBenchSpec:
+    """The ``--moe`` spec; exits with every problem of the combination given."""
+    names = ("kv_heads", "hidden", "layers", "heads", "ffn", "vocab", "tp", "seq", "micro_batch", "dtype",
+             "lora_rank", "lora_alpha", "canonical", "steps", "warmup", "timeout", "quiet",
+             "input_requires_grad") + _MOE_OPTIONS
+    targets = args.targets if args.targets is not None else DEFAULT_TARGETS
+    spec = MoEBenchSpec(**{n: getattr(args, n) for n in names}, targets=tuple(targets),
+                        strategies=tuple(args.strategies or ()))
+    problems = spec.problems()
+    if problems:
+        raise SystemExit("regather bench --moe: " + "; ".join(problems))
+    return spec
+
+
+def main(args) -> int:
+    from regather.tools.bench import moe, moe_report, report, runner
+
+    if args.render:
+        import json
+
+        with open(args.render) as f:
+            summary = json.load(f)
+        shown = moe_report if summary.get("mode") == "moe" else report
+        print(shown.text_table(summary))
+        for path in shown.write(summary, args.out) if args.out else ():
+            print(f"wrote {path}")
+        return 0
+    spec = spec_from_args(args)
+    shown = moe_report if isinstance(spec, MoEBenchSpec) else report
+    summary = (moe if shown is moe_report else runner).run(spec)
+    summary["command"] = shown.command_line(summary["spec"], args.out)
+    summary["env"] = report.environment()
+    print(shown.text_table(summary))
+    if args.out:
+        for path in shown.write(summary, args.out):
+            print(f"wrote {path}")
+    return 0

@@ -1,0 +1,227 @@
+"""Present a ``regather bench --moe`` summary: terminal tables, markdown, JSON (no chart).
+
+Two tables: what each variant's LoRA-A inputs keep after the first forward, per adapter kind (mean
+over the ranks), and per step what it sends, how long it takes and how far it is from gather and
+from its own strategy. Below them the rows routed to each rank, the bytes of one more dispatch,
+the decisions and the re-dispatch counts.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from regather.tools.bench import report
+
+KIND_ORDER = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "shared_experts.linear_fc1",
+              "shared_experts.linear_fc2", "experts.linear_fc1", "experts.linear_fc2")
+
+
+def command_line(spec: dict, out: str | None = None) -> str:
+    """The full ``regather bench --moe`` command that reproduces ``spec``."""
+    opts = ["--moe", "--ep", spec["ep"], "--etp", spec["etp"], "--experts", spec["experts"],
+            "--dispatcher", spec["dispatcher"], "--num-experts", spec["num_experts"], "--topk", spec["topk"],
+            "--moe-ffn", spec["moe_ffn"]]
+    if spec.get("per_expert"):
+        opts += ["--per-expert"]
+    if spec.get("shared_expert_ffn"):
+        opts += ["--shared-expert-ffn", spec["shared_expert_ffn"]]
+    if spec.get("moe_layer_freq", 1) != 1:
+        opts += ["--moe-layer-freq", spec["moe_layer_freq"]]
+    if out:
+        opts += ["--out", out]
+    return report.command_line(spec) + " " + " ".join(shlex.quote(str(o)) for o in opts)
+
+
+def _unit(summary: dict) -> tuple[str, float]:
+    biggest = max(r["saved_bytes_mean"] for r in summary["strategies"].values())
+    return ("MiB", 2.0**20) if biggest >= 8 * 2**20 else ("KiB", 1024.0)
+
+
+def _num(n: float, scale: float, digits: int = 2) -> str:
+    return f"{n / scale:,.{digits}f}"
+
+
+def _signed(parts: dict, scale: float) -> str:
+    cells = [f"{k.replace('_', '-')} {n / scale:+,.3f}" for k, n in parts.items() if n]
+    return ", ".join(cells) or "0"
+
+
+def kinds(summary: dict) -> list[str]:
+    seen = {k for r in summary["strategies"].values() for k in r["adapter_input_by_kind_mean"]}
+    return [k for k in KIND_ORDER if k in seen] + sorted(seen - set(KIND_ORDER))
+
+
+def bytes_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    unit, scale = _unit(summary)
+    ks = kinds(summary)
+    head = ["variant"] + [k.replace("experts.", "expert ").replace("shared_expert ", "shared expert ") for k in ks] \
+        + [f"all LoRA-A inputs {unit}", f"retained {unit}"]
+    rows = []
+    for name, r in report.ordered(summary):
+        by = r["adapter_input_by_kind_mean"]
+        rows.append([name] + [_num(by.get(k, 0), scale) for k in ks]
+                    + [_num(r["adapter_input_bytes_mean"], scale), _num(r["saved_bytes_mean"], scale)])
+    return head, rows
+
+
+def _ratio(r: dict, what: str) -> str:
+    if f"step_time_ratio_vs_{what}" not in r:
+        return "-"
+    return f"{r[f'step_time_ratio_vs_{what}']:.3f} / {r[f'paired_step_time_ratio_vs_{what}']:.3f}"
+
+
+def _resends(r: dict, steps: int) -> str:
+    """Re-dispatches by when they started (early: when the experts' output gradient arrived, so the
+    experts' backward overlaps them), their time from start to arrival and the part of it backward
+    waited for, per step (rank 0)."""
+    total: dict = {}
+    for counts in (r.get("redispatches") or {}).values():
+        for when, n in counts.items():
+            total[when] = total.get(when, 0) + n
+    if not total:
+        return "-"
+    flight, wait = total.get("flight_s", 0.0), total.get("wait_s", 0.0)
+    hidden = f", {1 - wait / flight:.0%} hidden" if flight > 0 else ""
+    return (f"{total.get('early', 0)} early / {total.get('late', 0)} late, in flight "
+            f"{flight / steps * 1e3:.2f} ms/step, waited {wait / steps * 1e3:.2f}{hidden}")
+
+
+def comm_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    unit, scale = _unit(summary)
+    head = ["variant", f"comm {unit}/step", "extra vs gather", "extra vs its strategy"]
+    rows = []
+    for name, r in report.ordered(summary):
+        base = r.get("variant_of")
+        rows.append([name, _num(sum(r["comm_bytes_per_step_mean"].values()), scale),
+                     _signed(r["comm_bytes_extra_vs_gather"], scale) if name != "gather" else "-",
+                     f"{_signed(r['comm_bytes_extra_vs_base'], scale)} (vs {base})" if base else "-"])
+    return head, rows
+
+
+def time_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["variant", "median step ms", "x gather (median / paired)", "x its strategy (median / paired)",
+            "max Δloss vs gather", "max Δgrad vs gather (rel)", "vs its strategy: Δloss, Δgrad (rel)",
+            "re-dispatches (rank 0)"]
+    rows = []
+    for name, r in report.ordered(summary):
+        base = r.get("variant_of")
+        rows.append([
+            name,
+            f"{r['median_step_time'] * 1e3:.1f}",
+            _ratio(r, "gather"),
+            _ratio(r, "base"),
+            f"{r['max_abs_loss_diff']:.1e}",
+            f"{r['max_abs_grad_diff']:.1e} ({r['max_rel_grad_diff']:.1e})",
+            (f"{r['max_abs_loss_diff_vs_base']:.1e}, {r['max_abs_grad_diff_vs_base']:.1e} "
+             f"({r['max_rel_grad_diff_vs_base']:.1e})") if base else "-",
+            _resends(r, summary["spec"]["steps"]),
+        ])
+    return head, rows
+
+
+def _text(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(head, widths)))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+              for r in rows]
+    return lines
+
+
+def _md(head: list[str], rows: list[list[str]]) -> list[str]:
+    return (["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def notes(summary: dict) -> list[str]:
+    """Routing, the bytes of one more dispatch, the first step's extra, the decisions."""
+    unit, scale = _unit(summary)
+    rows = summary["strategies"]
+    g = rows["gather"]
+    out = ["rows routed to each rank's local experts in the first forward (per MoE layer): " + "; ".join(
+        f"rank {i}: " + ", ".join(str(n) for n in per.values())
+        for i, per in enumerate(g["routed_rows_first_forward_per_rank"]))]
+    d = summary.get("dispatch_bytes_per_step_mean") or {}
+    if d.get("h_wide") is not None:
+        out.append(f"one more h-wide dispatch of the tokens per MoE layer and forward (accounting formula, gather's "
+                   f"routing): {_num(d['h_wide'], scale, 3)} {unit}/step")
+    if d.get("rank_r_both_ways") is not None:
+        out.append(f"rank-r rows along the route and back (shared LoRA-A before the dispatch): "
+                   f"{_num(d['rank_r_both_ways'], scale, 3)} {unit}/step")
+    for name, r in report.ordered(summary):
+        first = r.get("comm_bytes_first_step_extra_vs_base") if r.get("variant_of") else None
+        if first and any(first.values()):
+            out.append(f"{name}: first step vs {r['variant_of']} (with the one-time route check per MoE layer): "
+                       f"{_signed(first, scale)} {unit}")
+    for name, r in report.ordered(summary):
+        step = r.get("first_step_routing_differs_from_gather")
+        if step is not None:
+            out.append(f"{name}: routing differs from gather's from step {step + 1} on (another summation order "
+                       "moves near-tied router scores); its Δloss and Δgrad include the other routing")
+    for name, r in report.ordered(summary):
+        text = " + ".join(f"{n} {s}" for s, n in r["adapters_by_strategy"].items())
+        inputs = r.get("adapter_inputs") or {}
+        if inputs:
+            text += "; inputs " + ", ".join(f"{k}: {n}" for k, n in inputs.items())
+        out.append(f"{name}: adapters {text}")
+    return out
+
+
+def text_table(summary: dict) -> str:
+    unit, _ = _unit(summary)
+    ranks = summary["world"]
+    lines = [f"LoRA-A input bytes of the first forward by adapter kind, {unit}, mean over the {ranks} ranks:"]
+    lines += _text(*bytes_rows(summary))
+    lines += ["", f"communication per step, {unit}, mean over the ranks and the steps after the first:"]
+    lines += _text(*comm_rows(summary))
+    lines += ["", "step time (slowest rank) and parity (max over ranks and steps):"]
+    lines += _text(*time_rows(summary))
+    return "\n".join(lines + [""] + notes(summary))
+
+
+def spec_line(spec: dict, world: int) -> str:
+    experts = spec["experts"] + (", one LoRA pair per local expert" if spec.get("per_expert") else
+                                 ", one LoRA-A shared by the local experts" if spec["experts"] == "grouped" else "")
+    extra = (f", shared expert ffn {spec['shared_expert_ffn']}" if spec.get("shared_expert_ffn") else "") + \
+        (f", MoE every {spec['moe_layer_freq']} layers (dense ffn {spec['ffn']})" if spec.get("moe_layer_freq", 1) > 1
+         else "")
+    return (f"MoE GPT {spec['layers']} layers, hidden {spec['hidden']}, {spec['heads']} heads, vocab {spec['vocab']}, "
+            f"{spec['num_experts']} experts ({experts}), moe ffn {spec['moe_ffn']}, top-{spec['topk']}, "
+            f"{spec['dispatcher']} dispatcher{extra}; TP={spec['tp']} + SP x EP={spec['ep']} x ETP={spec['etp']} "
+            f"({world} ranks), seq {spec['seq']}, micro-batch {spec['micro_batch']} per DP rank, {spec['dtype']}, "
+            f"LoRA rank {spec['lora_rank']} on {', '.join(spec['targets'])}; {spec['steps']} steps (Adam), first "
+            f"{spec['warmup']} not timed"
+            + ("; decoder input requires grad" if spec.get("input_requires_grad") else ""))
+
+
+def markdown(summary: dict) -> str:
+    spec, unit = summary["spec"], _unit(summary)[0]
+    lines = report.header(summary, "regather bench --moe", summary["world"], spec_line(spec, summary["world"]))
+    lines += [f"LoRA-A input bytes of the first forward by adapter kind ({unit}, mean over the ranks; per rank in "
+              "bench.json: `adapter_input_by_kind_per_rank`):", ""]
+    lines += _md(*bytes_rows(summary))
+    lines += ["", f"Communication per step ({unit}, mean over the ranks and over the steps after the first):", ""]
+    lines += _md(*comm_rows(summary))
+    lines += ["", "Step time (slowest rank per step) and parity:", ""]
+    lines += _md(*time_rows(summary))
+    lines += [""] + [f"- {n}" for n in notes(summary)] + [
+        "",
+        "Definitions (design.md §7): *LoRA-A inputs* and *retained* = unique storages autograd saved in the",
+        "first forward (parameters excluded), by adapter kind (every layer's adapters of that kind summed),",
+        "mean over the ranks: expert rows depend on each rank's routing, their mean over the expert-parallel",
+        "group does not; *comm* = bytes received per rank in one step under ring algorithms, every collective",
+        "(megatron-core's dispatch included), mean over the ranks and over steps 2..n (the first step also",
+        "checks each MoE layer's route once under the expert recompute: `comm_bytes_first_step_mean`);",
+        "*extra* = the variant minus gather / minus its own strategy without options. Step times: slowest rank",
+        "per step, median after warm-up; *paired* = median of per-step ratios (the variants' steps interleave",
+        "in one process group, order rotated each step). Parity: max |Δloss| over the steps; max |Δgrad| over",
+        "every rank's last-step LoRA gradients, relative = divided by the reference's largest |gradient|.",
+        "Every variant starts from the same full weights (GlobalLayout + full_weights) and sees the same batches.",
+    ]
+    if summary["backend"] == "gloo":
+        lines.append("CPU times show relative cost only; absolute times need a GPU.")
+    return "\n".join(lines) + "\n"
+
+
+def write(summary: dict, out_dir: str) -> list[str]:
+    return report.write(summary, out_dir, markdown_of=markdown, chart_of=None)

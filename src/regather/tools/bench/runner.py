@@ -1,0 +1,271 @@
+"""Run the benchmark: spawn the ranks, train every strategy side by side, summarise.
+
+The ranks come from :func:`regather.testing.dist.run_ranks` (gloo). When at
+least ``tp`` CUDA devices are visible, each rank switches to NCCL on its own
+device before building the model (:func:`_use_nccl`); that path has not run on
+a multi-GPU machine yet. The measurement itself is
+:func:`regather.testing.train.compare_strategies`; this module turns the
+per-rank results into one summary per strategy (:func:`summarise`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from regather.megatron.lora import DEFAULT_TARGETS
+
+
+@dataclass
+class BenchSpec:
+    """What ``regather bench`` runs (the tiny default model unless sizes are given)."""
+
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    ffn: int = 128
+    vocab: int = 256
+    kv_heads: int | None = None
+    tp: int = 2
+    seq: int = 64
+    micro_batch: int = 2
+    dtype: str = "float32"
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    targets: tuple = DEFAULT_TARGETS
+    steps: int = 8
+    warmup: int = 2
+    strategies: tuple = ()
+    lr: float = 1e-3
+    seed: int = 1234
+    timeout: float = 3600.0
+    quiet: bool = False
+    # the decoder input requires grad (Bridge's maybe_enable_recompute_inputs_grad): layer 0's
+    # linear_qkv may then recompute its input too (regather.testing.train.RunConfig)
+    input_requires_grad: bool = False
+    # regather.CanonicalLoRA on a gated SwiGLU GPT (its targets are CANONICAL_TARGETS): the
+    # q/k/v and gate/up adapter inputs are reported beside Bridge's CanonicalLoRA (canonical_inputs)
+    canonical: bool = False
+
+    def run_config(self):
+        from regather.testing.models import TinyGPT
+        from regather.testing.train import RunConfig
+
+        shape = TinyGPT(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
+                        ffn_hidden_size=self.ffn, vocab_size=self.vocab, seq_length=self.seq,
+                        num_query_groups=self.kv_heads)
+        return RunConfig(strategy="gather", tp=self.tp, sequence_parallel=True, shape=shape,
+                         micro_batch=self.micro_batch, steps=self.steps, lr=self.lr, dtype=self.dtype,
+                         lora_dim=self.lora_rank, lora_alpha=self.lora_alpha, targets=tuple(self.targets),
+                         lora_B_init_method="normal", seed=self.seed, warmup=self.warmup,
+                         input_requires_grad=self.input_requires_grad, swiglu=self.canonical,
+                         canonical=self.canonical)
+
+
+def available_strategies() -> list[str]:
+    """Every strategy the installed package implements and ``LoRA`` can ask for, gather first."""
+    from regather.testing.train import requestable_strategies
+
+    return requestable_strategies()
+
+
+def _use_nccl(rank: int, world_size: int, init_file: str):
+    """Replace the gloo default group by an NCCL one on ``cuda:rank``; return the device."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from regather.testing.megatron_cpu import _patch_torch_norm
+
+    _patch_torch_norm()  # without apex/TE the local spec's torch norm refuses SP (design.md §6)
+    torch.cuda.set_device(rank)
+    dist.destroy_process_group()
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(minutes=10))
+    return torch.device("cuda", rank)
+
+
+def _progress_printer(rank: int, strategies, steps: int, quiet: bool):
+    if rank != 0 or quiet:
+        return None
+    start = time.perf_counter()
+    total = steps * len(strategies)
+    done = [0]
+
+    def progress(name: str, step: int, seconds: float) -> None:
+        done[0] += 1
+        print(f"\r[{done[0]:>4}/{total}] step {step + 1}/{steps} {name:<10} {seconds * 1e3:9.1f} ms"
+              f"  (elapsed {time.perf_counter() - start:6.1f} s)", end="", file=sys.stderr, flush=True)
+        if done[0] == total:
+            print(file=sys.stderr, flush=True)
+
+    return progress
+
+
+def bench_rank(rank: int, world_size: int, spec: BenchSpec, nccl_init_file: str | None = None) -> dict:
+    """One rank of the benchmark (module level so ``spawn`` can import it)."""
+    import logging
+
+    from regather.testing.train import compare_strategies
+
+    logging.getLogger("regather").setLevel(logging.ERROR)  # expected fallbacks are in the report
+    device = _use_nccl(rank, world_size, nccl_init_file) if nccl_init_file else None
+    progress = _progress_printer(rank, spec.strategies, spec.steps, spec.quiet)
+    results = compare_strategies(rank, world_size, spec.run_config(), list(spec.strategies),
+                                 device=device, progress=progress)
+    if rank != 0:  # only rank 0's gradients and losses enter the report
+        for res in results.values():
+            res.pop("grads", None)
+    return results
+
+
+def run(spec: BenchSpec) -> dict:
+    """Spawn ``spec.tp`` ranks, run the benchmark, return the summary dict."""
+    import torch
+
+    from regather.testing.dist import run_ranks
+
+    if not spec.strategies:
+        spec.strategies = tuple(available_strategies())
+    if "gather" not in spec.strategies:
+        spec.strategies = ("gather",) + tuple(spec.strategies)  # every ratio is against gather
+    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= spec.tp
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="regather-bench-") as tmp:
+        init_file = os.path.join(tmp, "nccl-rendezvous") if use_nccl else None
+        per_rank = run_ranks(bench_rank, spec.tp, spec, init_file, timeout=spec.timeout)
+    wall = time.perf_counter() - t0
+    summary = summarise(per_rank, spec)
+    summary["backend"] = "nccl" if use_nccl else "gloo"
+    summary["wall_seconds"] = wall
+    return summary
+
+
+# -- summary -------------------------------------------------------------------------
+
+
+def grad_difference(grads: dict, ref: dict, rank: int, tp: int) -> tuple[float, float]:
+    """Largest absolute difference over all LoRA gradients, and it relative to max |ref|."""
+    from regather.testing.train import grad_gap
+
+    worst, scale = grad_gap(grads, ref, rank, tp)
+    return worst, (worst / scale if scale else 0.0)
+
+
+def _decision_counts(decisions: dict) -> dict:
+    """How many adapters ran each strategy (the reasons are in ``decisions``)."""
+    counts: dict[str, int] = {}
+    for d in decisions.values():
+        used = re.split(r"[ ,]", d, maxsplit=1)[0]  # "regather, input recomputed from ..."
+        counts[used] = counts.get(used, 0) + 1
+    return counts
+
+
+def _recompute_counts(decisions: dict) -> dict:
+    """With recompute asked: how many adapters rebuild their input (by producer), how many keep it."""
+    counts: dict[str, int] = {}
+    for d in decisions.values():
+        if ", input recomputed from " in d:
+            key = "recomputed from " + d.split(", input recomputed from ", 1)[1]
+        elif ", input kept (recompute asked: " in d:
+            key = "kept"
+        else:
+            continue
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def summarise(per_rank: list, spec: BenchSpec) -> dict:
+    """Rank 0's bytes, losses and gradients; step times are the slowest rank's per step."""
+    rank0 = per_rank[0]
+    ref = rank0["gather"]
+    rows = {}
+    for name in spec.strategies:
+        res = rank0[name]
+        slowest = [max(r[name]["step_time"][i] for r in per_rank) for i in range(spec.steps)]
+        timed = slowest[spec.warmup:] or slowest
+        comm = {k: int(v) for k, v in sorted(res["comm_bytes"].items())}
+        ref_comm = ref["comm_bytes"]
+        extra = {k: int(comm.get(k, 0) - ref_comm.get(k, 0)) for k in sorted(set(comm) | set(ref_comm))}
+        grad_abs, grad_rel = grad_difference(res["grads"], ref["grads"], 0, spec.tp)
+        rows[name] = {
+            "saved_bytes": int(res["saved_bytes"]),
+            "saved_adapter_input_bytes": int(res["saved_adapter_input_bytes"]),
+            "saved_bytes_by_label": res.get("saved_bytes_by_label", {}),
+            "comm_bytes": comm,
+            "comm_bytes_total": sum(comm.values()),
+            "comm_bytes_extra_vs_gather": extra,
+            "comm_bytes_same_on_all_ranks": all(r[name]["comm_bytes"] == res["comm_bytes"] for r in per_rank),
+            "step_times": slowest,
+            "median_step_time": statistics.median(timed),
+            "loss": res["loss"],
+            "max_abs_loss_diff": max(abs(a - b) for a, b in zip(res["loss"], ref["loss"])),
+            "max_abs_grad_diff": grad_abs,
+            "max_rel_grad_diff": grad_rel,
+            **_recompute_clock(per_rank, name, spec),
+            "adapters_by_strategy": _decision_counts(res["decisions"]),
+            "adapter_inputs": _recompute_counts(res["decisions"]),
+            "decisions": res["decisions"],
+        }
+    from regather.testing.train import base_strategy
+
+    for name, row in rows.items():
+        _ratios(row, rows["gather"], "gather", spec.warmup)
+        base = base_strategy(name)  # a variant against the strategy it varies (regather-recompute: regather)
+        if base != name and base in rows:
+            row["variant_of"] = base
+            _ratios(row, rows[base], "base", spec.warmup)
+    out = {"spec": asdict(spec), "strategies": rows}
+    if spec.canonical:
+        out["canonical_inputs"] = canonical_inputs(rows, spec)
+    return out
+
+
+# the fused linears whose input CanonicalLoRA's q/k/v and gate/up adapters read, and how many
+# adapters (targets) each can hold
+_SPLIT = {"linear_qkv": ("linear_q", "linear_k", "linear_v"), "linear_fc1": ("linear_fc1_gate", "linear_fc1_up")}
+
+
+def canonical_inputs(rows: dict, spec: BenchSpec) -> dict:
+    """What the q/k/v and gate/up adapters keep for LoRA-A, per strategy (measured: the
+    ``adapter_input:linear_qkv`` / ``…:linear_fc1`` bytes), beside Megatron Bridge's
+    ``CanonicalLoRA``, whose every such adapter gathers and keeps its own ``x_full = s*b*h``
+    (on the gather path regather keeps exactly Bridge's bytes: tests/megatron/bridge/test_bridge_canonical.py)."""
+    from regather.core.accounting import ADAPTER_INPUT
+
+    elt = 2 if spec.dtype == "bfloat16" else 4
+    x_full = spec.seq * spec.micro_batch * spec.hidden * elt
+    adapters = sum(1 for names in _SPLIT.values() for n in names if n in spec.targets)
+    out = {"x_full_bytes": x_full, "x_local_bytes": x_full // spec.tp, "layers": spec.layers,
+           "adapters_per_layer": adapters, "bridge_bytes": spec.layers * adapters * x_full, "strategies": {}}
+    for name, row in rows.items():
+        labels = row["saved_bytes_by_label"]
+        out["strategies"][name] = sum(int(labels.get(f"{ADAPTER_INPUT}:{base}", 0)) for base in _SPLIT)
+    return out
+
+
+def _recompute_clock(per_rank: list, name: str, spec: BenchSpec) -> dict:
+    """Seconds per step spent in the producers' recomputes (slowest rank per step), and their
+    median share of the step, for runs whose adapters have producers."""
+    if not all("recompute_time" in r[name] for r in per_rank):
+        return {}
+    spent = [max(r[name]["recompute_time"][i] for r in per_rank) for i in range(spec.steps)]
+    steps = [max(r[name]["step_time"][i] for r in per_rank) for i in range(spec.steps)]
+    timed = list(zip(spent, steps))[spec.warmup:] or list(zip(spent, steps))
+    return {"recompute_times": spent,
+            "median_recompute_time": statistics.median(a for a, _ in timed),
+            "recompute_share_of_step": statistics.median(a / b for a, b in timed)}
+
+
+def _ratios(row: dict, ref: dict, what: str, warmup: int) -> None:
+    """Median-step ratio and paired ratio (median of per-step ratios: the same step index of
+    both ran in the same rotated round) of ``row`` against ``ref``."""
+    row[f"step_time_ratio_vs_{what}"] = row["median_step_time"] / ref["median_step_time"]
+    pairs = [a / b for a, b in zip(row["step_times"], ref["step_times"])][warmup:]
+    row[f"paired_step_time_ratio_vs_{what}"] = statistics.median(pairs) if pairs else 1.0

@@ -1,0 +1,32 @@
+"""Shared by every test folder.
+
+The folders mirror the package (``core``, ``ops``, ``megatron`` with ``moe``, ``training`` and
+``bridge``, ``hf``, ``tools``, ``testing``, ``benchmarks``). A test's rank bodies live in
+``workers_*.py`` beside it and are imported by name — also by spawned ranks, which inherit the
+parent's ``sys.path`` — so every test folder is put on the path here, and one folder may use
+another's bodies (names are unique across folders).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+_HERE = Path(__file__).resolve().parent
+for _folder in sorted(p for p in _HERE.rglob("*") if p.is_dir() and p.name != "__pycache__" and not p.name.startswith(".")):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
+
+@pytest.fixture
+def single_rank_group(tmp_path):
+    """A real one-rank gloo group (megatron mappings need a group even at TP=1)."""
+    from regather.testing import enable_megatron_cpu
+
+    enable_megatron_cpu()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
