@@ -35,17 +35,21 @@ Bridge's ``ConfigContainer`` declares ``peft: Optional[PEFT]`` and, in
 its training setup calls ``peft(model, training=True)`` then
 ``peft.set_params_to_save(model)``, and its checkpointing filters with
 ``peft.adapter_key_filter``. When a config is written to YAML, the class is
-recorded as ``_target_: regather.bridge.LoRA``; Bridge instantiates only targets
-under its allow-listed prefixes, so call
+recorded as ``_target_: regather.bridge.LoRA`` with every field (:meth:`LoRA.to_cfg_dict`),
+and ``ConfigContainer.from_yaml`` reads it back; Bridge instantiates only targets under its
+allow-listed prefixes, so call
 ``megatron.bridge.utils.instantiate_utils.register_allowed_target_prefix("regather")``
-before loading such a YAML.
+before loading such a YAML. A string ``target_modules`` is an error naming it (at construction
+and when ``validate()`` re-runs ``__post_init__``); ``lora_A_init_method="uniform"`` is accepted
+as in Bridge and honoured on plain ``nn.Linear`` targets, and refused with the reason for the
+megatron linears regather adapts (Bridge's own parallel-linear adapter has no such initialiser).
 
 Importing this module needs Megatron Bridge; ``import regather`` never imports it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 try:
     from megatron.bridge.peft.lora import LoRA as BridgeLoRA
@@ -58,7 +62,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess witho
 
 from torch import nn
 
-from regather.megatron.dense.adapter import ParallelLinearAdapter
+from regather.megatron.dense.adapter import INIT_METHODS, ParallelLinearAdapter
 from regather.megatron.dense.linears import is_parallel_linear
 from regather.megatron.dense.model import finish_wrapping
 from regather.megatron.dense.wrapper import LoRALinear
@@ -66,9 +70,30 @@ from regather.megatron.lora import LoRA as RegatherLoRA
 from regather.megatron.lora import attach_producers
 from regather.megatron.moe import experts
 
-__all__ = ["BridgeLoRA", "LoRA"]
+__all__ = ["PLAIN_LINEAR_ONLY_INITS", "BridgeLoRA", "LoRA"]
 
 _WRAPPER_CHILDREN = ("to_wrap", "adapter")
+#: LoRA-A initialisers Bridge's plain ``nn.Linear`` adapters (``LinearAdapter``: Kaiming-uniform) take
+#: and no parallel-linear adapter has — Bridge's own raises for them as regather's does. Accepted by
+#: the config, honoured on plain linears (Bridge's adapters), refused on the megatron linears.
+PLAIN_LINEAR_ONLY_INITS = ("uniform",)
+
+
+def _plain_only_init_message(a_init: str, where: str) -> str:
+    return (f"regather.bridge.LoRA(lora_A_init_method={a_init!r}): only plain torch.nn.Linear targets (Bridge's "
+            f"LinearAdapter) have this initialiser; Bridge's and regather's parallel-linear adapters do not, and it "
+            f"selects {where}. Use one of {INIT_METHODS} for megatron linears")
+
+
+def _plain(value):
+    """A config value as YAML-safe plain data (sets and tuples as lists, mappings as dicts)."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 @dataclass
@@ -92,17 +117,33 @@ class LoRA(BridgeLoRA):
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:
             parent()
-        self.regather_config()  # validates the fields now: a bad config fails at construction
+        for name in ("target_modules", "exclude_modules"):  # Bridge's validate() re-runs this too
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise TypeError(f"regather.bridge.LoRA({name}={value!r}): expected a list of module names, not a "
+                                f"string (it would be read as its characters); write {name}=[{value!r}]")
+        self._regather_lora(validating=True)  # a bad regather field fails at construction
 
     def regather_config(self) -> RegatherLoRA:
-        """The :class:`regather.LoRA` these fields describe (it builds the adapters)."""
+        """The :class:`regather.LoRA` these fields describe (it builds the adapters of the megatron
+        linears); an initialiser only plain ``nn.Linear`` adapters have is an error here."""
+        return self._regather_lora(validating=False)
+
+    def _regather_lora(self, validating: bool) -> RegatherLoRA:
+        a_init = self.lora_A_init_method
+        if a_init in PLAIN_LINEAR_ONLY_INITS:
+            if not validating:
+                raise ValueError(_plain_only_init_message(a_init, "the megatron linears regather adapts"))
+            # construction checks the other fields; the initialiser is refused where an adapter of a
+            # megatron linear would use it (__call__ / transform), never silently replaced
+            a_init = RegatherLoRA.lora_A_init_method
         return RegatherLoRA(
             target_modules=list(self.target_modules or []),
             dim=self.dim,
             alpha=self.alpha,
             dropout=self.dropout,
             dropout_position=self.dropout_position,
-            lora_A_init_method=self.lora_A_init_method,
+            lora_A_init_method=a_init,
             lora_B_init_method=self.lora_B_init_method,
             a2a_experts=self.a2a_experimental,
             sequence_parallel_input_regather=self.sequence_parallel_input_regather,
@@ -116,17 +157,45 @@ class LoRA(BridgeLoRA):
             normalize_moe_lora=self.normalize_moe_lora,
         )
 
+    def to_cfg_dict(self) -> dict:
+        """What Bridge's ``ConfigContainer.to_yaml`` writes for this PEFT config (megatron's config
+        container serialises any value with a ``to_cfg_dict``): the public class path
+        ``regather.bridge.LoRA`` and every constructor field as plain values — not the ``init=False``
+        ``params_to_save`` set, which OmegaConf cannot read back — so ``ConfigContainer.from_yaml``
+        round-trips it (after ``register_allowed_target_prefix("regather")``, as for any non-Bridge
+        target)."""
+        out = {"_target_": "regather.bridge.LoRA"}
+        for f in fields(self):
+            if f.init and not f.name.startswith("_"):
+                out[f.name] = _plain(getattr(self, f.name))
+        return out
+
     def __call__(self, model, training: bool = True):
         """Bridge's ``PEFT.__call__`` (validate matches, freeze, walk ``transform``, set the mode),
         after re-validating the fields (recipes set them after construction)."""
-        config = self.regather_config()
+        self.__post_init__()
+        if self.lora_A_init_method in PLAIN_LINEAR_ONLY_INITS:
+            self._refuse_plain_only_init(model)  # before Bridge's walk changes anything
         model = super().__call__(model, training=training)
         for chunk in model if isinstance(model, list) else [model]:
             chunk = getattr(chunk, "module", chunk)
-            if config.recompute_adapter_inputs:  # after every wrap: producers hook the final modules
+            if self.recompute_adapter_inputs:  # after every wrap: producers hook the final modules
                 attach_producers(chunk)
             finish_wrapping(chunk)
         return model
+
+    def _refuse_plain_only_init(self, model) -> None:
+        """Name every megatron linear this config would hand to regather under an initialiser
+        only plain ``nn.Linear`` adapters have (Bridge's own parallel-linear adapter has none)."""
+        hits = []
+        for chunk in model if isinstance(model, list) else [model]:
+            for path, module in getattr(chunk, "module", chunk).named_modules():
+                prefix, _, name = path.rpartition(".")
+                if self._regather_adapts(module) and self.match(module, name, prefix or None) is not None:
+                    hits.append(path)
+        if hits:
+            raise ValueError(_plain_only_init_message(self.lora_A_init_method, f"{hits[:4]}"
+                                                      f"{' and more' if len(hits) > 4 else ''}"))
 
     def transform(self, module: nn.Module, name: str | None = None, prefix: str | None = None) -> nn.Module:
         """Wrap ``module`` in a regather ``LoRALinear`` when Bridge's matcher selects it."""
@@ -141,7 +210,7 @@ class LoRA(BridgeLoRA):
         if match is None:
             return module
         _, path = match
-        config = self.regather_config()
+        config = self.regather_config()  # raises for an initialiser only plain nn.Linear adapters have
         return config.wrap(module, config.make_adapter(path, module))
 
     def _regather_adapts(self, module: nn.Module) -> bool:
