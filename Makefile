@@ -89,3 +89,16 @@ test-bridge: $(BRIDGE_DIR)/.installed $(COMPAT_DIR)/.installed
 	PYTHONPATH=$(BRIDGE_PATH) $(PY) -c "import importlib.metadata as md; \
 		v = md.version('megatron-bridge'), md.version('megatron-core'); assert v == ('0.6.2', '0.19.2'), v"
 	PYTHONPATH=$(BRIDGE_PATH) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/megatron/bridge
+
+# The Python 3.12 tier (docs/testing.md): Megatron Bridge 0.6.2's own recipes as users run them, on
+# the real megatron-bridge 0.6.2 and megatron-core 0.19.2 installed as packages in .venv312
+# (.ci/venv312.sh builds it from requirements-py312.txt; never Transformer Engine). Skipped, saying
+# so, where this machine has no Python 3.12.
+VENV312 := .venv312
+
+.PHONY: test-recipes
+test-recipes:
+	@.ci/venv312.sh $(VENV312); rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "make test-recipes: skipped (no Python 3.12 on this machine)"; exit 0; fi; \
+	[ $$rc -eq 0 ] || exit $$rc
+	PYTHONPATH=src $(VENV312)/bin/python -m pytest -q -p no:cacheprovider tests/recipes
