@@ -9,7 +9,9 @@ Front ends (:mod:`regather.megatron`, :mod:`regather.torchtitan`) hand it plain 
 - :mod:`.comm`, :mod:`.mappings` — where bytes are sent: collectives over a sequence dim, and
   their differentiable pairs
 - :mod:`.buffers`    — scratch buffers for gathered activations
-- :mod:`.accounting` — where bytes are counted: saved tensors and collective traffic
+- :mod:`.accounting` — where bytes are counted: saved tensors and collective traffic (DTensor's
+  functional collectives included)
+- :mod:`.unwrap`     — the plain tensor under ``DTensor`` / ``AsyncCollectiveTensor`` (storage checks)
 - :mod:`.decision`, :mod:`.fallback_log` — what an adapter decided and why, logged once per reason
 - :mod:`.debug`      — opt-in cross-rank shape checks
 - :mod:`.shapes`     — the model and run shapes the tools and the harness share

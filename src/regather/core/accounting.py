@@ -5,9 +5,18 @@
   excluded), with a separate total per *label*. Code marks what it saves with
   :func:`label` (the adapters mark LoRA-A's input as ``"adapter_input:<base>"``,
   e.g. ``"adapter_input:linear_qkv"``; ``of("adapter_input")`` sums them all).
+  A ``DTensor`` or ``AsyncCollectiveTensor`` counts as its local tensor's storage
+  (:func:`regather.core.unwrap.plain`). :meth:`SavedBytes.for_model` excludes the
+  parameters and buffers the model holds *when a tensor is saved*: FSDP2 swaps
+  unsharded parameters in per block and frees them after, so addresses taken once
+  would later match activations allocated where a freed parameter was.
 - :class:`CollectiveBytes` — wraps the ``torch.distributed`` collectives
   (and every alias megatron-core or regather took of them at import) and counts
-  per kind the bytes each rank *receives* under the usual ring algorithms:
+  per kind the bytes each rank *receives* under the usual ring algorithms.
+  With ``functional=True`` it also counts the functional collectives
+  (``torch.ops._c10d_functional.*``) that ``DTensor`` redistributions issue
+  without calling ``torch.distributed``'s Python functions, in a
+  ``TorchDispatchMode`` (no module hooks, so no change to the run's numerics):
 
   ===================== =====================================
   kind                  bytes received per rank
@@ -17,6 +26,9 @@
   all_reduce            ``2 * bytes * (t-1)/t``
   broadcast             ``bytes`` (non-source ranks)
   ===================== =====================================
+
+  The functional collectives count on the thread that entered the block (and in the backward
+  autograd runs for it); the wrapped functions on every thread.
 """
 
 from __future__ import annotations
@@ -29,6 +41,9 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from regather.core.unwrap import plain, wrapper_types
 
 ADAPTER_INPUT = "adapter_input"
 _LABEL = threading.local()
@@ -47,26 +62,38 @@ def label(name: str):
 
 
 def _storage_key(t: torch.Tensor):
+    t = plain(t)
     s = t.untyped_storage()
     return (t.device, s.data_ptr()), s.nbytes()
 
 
 class SavedBytes:
-    """Count the unique storages saved for backward inside the ``with`` block."""
+    """Count the unique storages saved for backward inside the ``with`` block.
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+    ``exclude``: tensors whose storages are never counted (taken at construction);
+    ``model``: a module whose parameters and buffers *at the time a tensor is saved* are never
+    counted (:meth:`for_model`). ``nn.Parameter`` objects are never counted."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), model: torch.nn.Module | None = None):
         self._exclude = {_storage_key(p)[0] for p in exclude}
+        self._model = model
         self._seen: dict[tuple, tuple[str, int]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> SavedBytes:
-        return cls(exclude=list(model.parameters()) + list(model.buffers()))
+        return cls(model=model)
+
+    def _alive(self) -> set:
+        """Storages of the model's parameters and buffers now."""
+        if self._model is None:
+            return set()
+        return {_storage_key(p)[0] for p in list(self._model.parameters()) + list(self._model.buffers())}
 
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and plain(t).device.type != "meta":
             key, nbytes = _storage_key(t)
-            if key not in self._exclude and key not in self._seen:
+            if key not in self._exclude and key not in self._seen and key not in self._alive():
                 self._seen[key] = (getattr(_LABEL, "name", None) or "other", nbytes)
         return t
 
@@ -117,16 +144,90 @@ _COUNTED = {
 }
 
 
-class CollectiveBytes:
-    """Count collective bytes per kind while the ``with`` block runs (all threads)."""
+def _named_group_size(name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-    def __init__(self, modules_prefixes=("megatron", "regather", "torch.distributed")):
+    return _resolve_process_group(name).size()
+
+
+def _listed(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _gathered(a) -> int:    # (input(s), group_size, group_name): every rank's input but this one's
+    return sum(_bytes(t) for t in _listed(a[0])) * (a[1] - 1)
+
+
+def _scattered(a) -> int:   # (input(s), reduce_op, group_size, group_name)
+    return sum(_bytes(t) for t in _listed(a[0])) * (a[2] - 1) // a[2]
+
+
+def _reduced(a) -> int:     # (input(s), reduce_op, group_name)
+    t = _named_group_size(a[2])
+    return 2 * sum(_bytes(x) for x in _listed(a[0])) * (t - 1) // t
+
+
+def _to_all(a) -> int:      # (input, output_split_sizes, input_split_sizes, group_name)
+    t = _named_group_size(a[3])
+    return _bytes(a[0]) * (t - 1) // t
+
+
+# torch.ops._c10d_functional op name -> (kind, function(args) -> bytes received per rank)
+_FUNCTIONAL = {
+    "all_gather_into_tensor": ("all_gather", _gathered),
+    "all_gather_into_tensor_out": ("all_gather", _gathered),
+    "all_gather_into_tensor_coalesced": ("all_gather", _gathered),
+    "reduce_scatter_tensor": ("reduce_scatter", _scattered),
+    "reduce_scatter_tensor_out": ("reduce_scatter", _scattered),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", _scattered),
+    "all_reduce": ("all_reduce", _reduced),
+    "all_reduce_": ("all_reduce", _reduced),
+    "all_reduce_coalesced": ("all_reduce", _reduced),
+    "all_reduce_coalesced_": ("all_reduce", _reduced),
+    "all_to_all_single": ("all_to_all", _to_all),
+    "broadcast": ("broadcast", lambda a: _bytes(a[0])),
+    "broadcast_": ("broadcast", lambda a: _bytes(a[0])),
+}
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """Counts ``torch.ops._c10d_functional.*`` into a :class:`CollectiveBytes`. ``DTensor`` (and an
+    ``AsyncCollectiveTensor``) runs first (``NotImplemented``), so the mode sees the collectives it
+    turns into, on plain tensors; every op runs unchanged."""
+
+    def __init__(self, counter: CollectiveBytes):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, wrapper_types()) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", None) == "_c10d_functional" and self.counter.active:
+            counted = _FUNCTIONAL.get(func._schema.name.split("::")[-1])
+            if counted is not None:
+                self.counter.add(counted[0], counted[1](args))
+        return func(*args, **kwargs)
+
+
+class CollectiveBytes:
+    """Count collective bytes per kind while the ``with`` block runs (all threads); with
+    ``functional=True`` also the functional collectives of ``DTensor`` (see the module doc)."""
+
+    def __init__(self, modules_prefixes=("megatron", "regather", "torch.distributed"), functional: bool = False):
         self._prefixes = modules_prefixes
         self._lock = threading.Lock()
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self._patched: list[tuple[object, str, object]] = []
+        self._mode = _FunctionalCollectives(self) if functional else None
         self.active = True
+
+    def add(self, kind: str, nbytes: int) -> None:
+        """Count one collective of ``kind`` receiving ``nbytes`` on this rank."""
+        with self._lock:
+            self.bytes[kind] += nbytes
+            self.calls[kind] += 1
 
     def _wrap(self, fn, kind, size_of):
         def counted(*args, **kwargs):
@@ -134,10 +235,7 @@ class CollectiveBytes:
             # (all_gather_into_tensor -> all_gather_single), which are wrapped too
             outer = not getattr(_NESTED, "depth", 0)
             if self.active and outer:
-                n = size_of(args, kwargs)
-                with self._lock:
-                    self.bytes[kind] += n
-                    self.calls[kind] += 1
+                self.add(kind, size_of(args, kwargs))
             _NESTED.depth = getattr(_NESTED, "depth", 0) + 1
             try:
                 return fn(*args, **kwargs)
@@ -161,9 +259,13 @@ class CollectiveBytes:
                 if wrapped is not None:
                     self._patched.append((mod, attr, value))
                     setattr(mod, attr, wrapped)
+        if self._mode is not None:
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
         for mod, attr, value in reversed(self._patched):
             setattr(mod, attr, value)
         self._patched.clear()

@@ -13,14 +13,20 @@ read off the autograd graph, never assumed:
 - :func:`global_hooks_reason`: process-wide module hooks run before a producer's own hooks and
   may change what it sees, so nothing is trusted while one is registered.
 
+Storages are compared on the plain tensors under ``DTensor`` / ``AsyncCollectiveTensor``
+(:func:`regather.core.unwrap.plain`): under PyTorch-native tensor parallelism the graph saves
+DTensors, and a rebuilt tensor is this rank's local one.
+
 Torch only: front ends find their producers (:mod:`regather.megatron.dense.producers`,
-:mod:`regather.torchtitan`) and use these checks.
+:mod:`regather.torchtitan.producers`) and use these checks.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from regather.core.unwrap import plain
 
 #: What :func:`kept_between` says of a producer whose autograd node keeps nothing: its input and
 #: its weights need no gradient (a norm at layer 0 under frozen embeddings, a router likewise).
@@ -30,11 +36,12 @@ NOTHING_KEPT = "it keeps nothing for its backward (neither its input nor its wei
 class Meta:
     """Where a tensor lives (storage, view geometry): enough to find it again among the tensors
     an autograd node saved, without holding the tensor (autograd keeps its storage, not the
-    Python object)."""
+    Python object). A wrapped tensor (``DTensor``) is described by its local tensor."""
 
     __slots__ = ("_ref", "dtype", "offset", "shape", "storage", "stride")
 
     def __init__(self, t: torch.Tensor):
+        t = plain(t)
         self.storage, self.dtype = storage_key(t), t.dtype
         self.shape, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
         self._ref = StorageWeakRef(t.untyped_storage())
@@ -46,13 +53,14 @@ class Meta:
         return not self._ref.expired()
 
     def rebuild(self, alias: torch.Tensor) -> torch.Tensor:
-        """The tensor itself, as a view of ``alias`` (a saved tensor on the same storage)."""
-        return alias.detach().as_strided(self.shape, self.stride, self.offset)
+        """The tensor itself (its local tensor when it was wrapped), as a view of ``alias`` (a saved
+        tensor on the same storage)."""
+        return plain(alias).detach().as_strided(self.shape, self.stride, self.offset)
 
 
 def storage_key(t: torch.Tensor) -> tuple:
-    """``(data_ptr, nbytes)`` of ``t``'s storage."""
-    s = t.untyped_storage()
+    """``(data_ptr, nbytes)`` of ``t``'s storage (of its local tensor when it is wrapped)."""
+    s = plain(t).untyped_storage()
     return (s.data_ptr(), s.nbytes())
 
 
@@ -126,7 +134,8 @@ def find_saved(saved: list, meta: Meta) -> torch.Tensor | None:
     """``meta``'s tensor, as a view of a saved tensor on its storage (same dtype), or None."""
     if not meta.alive():
         return None
-    return next((meta.rebuild(t) for t in saved if storage_key(t) == meta.storage and t.dtype == meta.dtype), None)
+    return next((meta.rebuild(t) for t in saved if storage_key(t) == meta.storage and plain(t).dtype == meta.dtype),
+                None)
 
 
 def same_tensor(x: torch.Tensor, out: torch.Tensor) -> bool:

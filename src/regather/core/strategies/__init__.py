@@ -7,6 +7,9 @@ Where bytes are saved, sent and recomputed:
 - :mod:`~regather.core.strategies.regather`     — keep the local shard, gather again in backward
 - :mod:`~regather.core.strategies.lowrank`      — replicated LoRA-A on the local shard, gather rank-r output
 - :mod:`~regather.core.strategies.local`        — inputs that need no sequence gather (row-parallel, SP off)
+- :mod:`~regather.core.strategies.shared_gather` — one gather of a shard for the LoRA-A's that read it
+- :mod:`~regather.core.strategies.shared_anchor` — early re-gather's anchor for the N adapters fed by
+  one gathered input (PyTorch-native TP gathers once per module)
 - :mod:`~regather.core.recompute.sources`  — what a path saves for ``dA``: the input (kept), or what
   its producer keeps, recomputed in backward (producers found by :mod:`regather.megatron.dense.producers`)
 - :mod:`~regather.core.strategies.wgrad`        — the shared weight-gradient GEMM / main_grad fusion

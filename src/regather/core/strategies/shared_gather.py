@@ -19,6 +19,12 @@ input recomputes (recompute) n                      1
 
 Lifetimes are counted per member; after the last one the share resets, so a second backward
 (``retain_graph``) gathers again. Interleaved micro-batches each have their own share.
+
+A caller that knows its members in advance gives their number (``CanonicalLoRA``: the adapters
+of one wrapper that decide regather). One that learns them during the forward — PyTorch-native
+tensor parallelism gathers once per module for adapters that decide one by one — opens an
+empty share per forward (:meth:`SharedGather.open`), which each member joins
+(:meth:`SharedGather.join`) before its forward reads it.
 """
 
 from __future__ import annotations
@@ -46,6 +52,21 @@ class SharedGather:
         self._fwd_lease, self._fwd_left = None, members
         self._lease = self._pending = self._full = self._x = None
         self._left = members
+
+    @classmethod
+    def open(cls, group, pool: ScratchPool, dim: int = 0) -> SharedGather:
+        """A share for one forward with no member yet; members :meth:`join` as they run."""
+        share = cls(1, group, pool, dim)
+        share.members = share._fwd_left = share._left = 0
+        return share
+
+    def join(self) -> None:
+        """One more member (before the backward of this forward starts)."""
+        if self._pending is not None or self._full is not None:
+            raise RuntimeError("a member joined a shared gather whose backward gather has started")
+        self.members += 1
+        self._fwd_left += 1
+        self._left += 1
 
     # -- forward ---------------------------------------------------------------------------
     def forward_full(self, x_local):
