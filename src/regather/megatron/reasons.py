@@ -19,6 +19,24 @@ ELIGIBLE_BASES = ("linear_qkv", "linear_fc1")
 NORM_OF = {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}
 
 IN_CHECKPOINT = "running inside activation checkpointing (its recompute must save what forward saved)"
+CPU_OFFLOADING = "CPU activation offloading is on (cpu_offloading=True)"
+
+
+def kept_as_is(path: str) -> str:
+    """Why a column-parallel adapter on the ``path`` path ("gather", "replicated") keeps its input."""
+    return (f"the {path} path keeps its input as it is (recompute of a column-parallel adapter's input needs "
+            "regather or lowrank)")
+
+
+def no_recomputable_producer(base: str) -> str:
+    """Why the adapter on ``base`` (linear_proj) has nothing to rebuild its input from."""
+    return f"{base} has no recomputable producer (only linear_qkv, linear_fc1 and linear_fc2 do)"
+
+
+def layernorm_recomputed(modules) -> str:
+    """Why a norm keeps nothing to rebuild from: megatron's selective recompute of 'layernorm'."""
+    return f"selective recompute covers 'layernorm' (recompute_modules={list(modules)})"
+
 
 # -- mixture of experts ----------------------------------------------------------------------------
 
