@@ -52,7 +52,7 @@ def prepare_megatron(device: str, seed: int) -> None:
     if device == "cpu":
         megatron_cpu.enable_megatron_cpu()
     else:
-        megatron_cpu._patch_torch_norm()  # the local spec's torch LayerNorm refuses SP otherwise
+        megatron_cpu.patch_torch_norm()  # the local spec's torch LayerNorm refuses SP otherwise
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

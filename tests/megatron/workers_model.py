@@ -1,5 +1,7 @@
 """Rank bodies for the model-level tests (a real megatron-core GPTModel on gloo ranks)."""
 
+import dataclasses
+
 import torch
 
 from regather.testing.models import gpt_batch, gpt_loss
@@ -10,7 +12,7 @@ def odd_sequence_error(rank, world_size, cfg: RunConfig):
     """Feed a sequence that two ranks cannot split; return the error message."""
     model = build_lora_gpt(cfg)
     shape = cfg.shape
-    odd = type(shape)(**{**shape.__dict__, "seq_length": shape.seq_length - 1})
+    odd = dataclasses.replace(shape, seq=shape.seq - 1)
     try:
         gpt_loss(model, gpt_batch(odd, cfg.micro_batch))
     except ValueError as exc:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from regather.testing.models import TinyGPT
+
 RC = {"recompute_adapter_inputs": True}
 # name -> (strategy, LoRA field overrides)
 VARIANTS = {
@@ -37,14 +39,8 @@ VARIANTS = {
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
-@dataclass(frozen=True)
-class Shape:
-    num_layers: int = 2
-    hidden_size: int = 32
-    num_attention_heads: int = 4
-    ffn_hidden_size: int = 64
-    vocab_size: int = 128
-    seq_length: int = 16
+# the recompute matrix's GPT: the harness's TinyGPT, smaller
+Shape = functools.partial(TinyGPT, hidden=32, ffn=64, vocab=128, seq=16)
 
 
 @dataclass
@@ -60,7 +56,7 @@ class Setup:
     lora: dict = field(default_factory=dict)  # LoRA overrides for every variant (dropout, ...)
     input_grad: bool = False  # the decoder input requires grad (Bridge's maybe_enable_recompute_inputs_grad)
     schedule: str = "plain"  # plain | interleaved | retain | eval | no_grad | steps
-    shape: Shape = field(default_factory=Shape)
+    shape: TinyGPT = field(default_factory=Shape)
     micro_batch: int = 2
     prepare: str | None = None  # name in PREPARE: changes the model after LoRA (hooks, patches)
     spec: str | None = None  # name in SPECS: a custom layer spec
@@ -232,13 +228,10 @@ def build(setup: Setup, variant: str):
     from megatron.core.models.gpt import gpt_layer_specs
 
     from regather import LoRA
-    from regather.testing.models import TinyGPT, build_gpt
+    from regather.testing.models import build_gpt
 
     ensure_parallel(setup.tp)
-    sh = setup.shape
-    shape = TinyGPT(num_layers=sh.num_layers, hidden_size=sh.hidden_size,
-                    num_attention_heads=sh.num_attention_heads, ffn_hidden_size=sh.ffn_hidden_size,
-                    vocab_size=sh.vocab_size, seq_length=sh.seq_length)
+    shape = setup.shape
     orig_spec = gpt_layer_specs.get_gpt_layer_local_spec
     if setup.spec is not None:
         gpt_layer_specs.get_gpt_layer_local_spec = lambda *a, **k: SPECS[setup.spec](orig_spec(*a, **k))

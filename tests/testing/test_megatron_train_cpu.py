@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from regather.testing.megatron_train import (
-    _TRAINING_MODULES,
     FUSED_WGRAD_STANDIN,
+    TRAINING_MODULES,
     enable_megatron_training_cpu,
 )
 
@@ -23,10 +23,10 @@ def test_idempotent_and_cpu_only():
     assert enable_megatron_training_cpu() is True
     import importlib
 
-    proxies = {id(importlib.import_module(m).torch) for m in _TRAINING_MODULES}
+    proxies = {id(importlib.import_module(m).torch) for m in TRAINING_MODULES}
     assert enable_megatron_training_cpu() is True
-    assert {id(importlib.import_module(m).torch) for m in _TRAINING_MODULES} == proxies
-    assert len(proxies) == 1 and importlib.import_module(_TRAINING_MODULES[0]).torch is not torch
+    assert {id(importlib.import_module(m).torch) for m in TRAINING_MODULES} == proxies
+    assert len(proxies) == 1 and importlib.import_module(TRAINING_MODULES[0]).torch is not torch
 
 
 def test_cuda_factories_land_on_cpu_only_inside_megatron_modules():

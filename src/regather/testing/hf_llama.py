@@ -3,7 +3,7 @@
 
 :func:`build_llama_gpt` builds :func:`regather.testing.models.build_gpt` with RMSNorm, a gated
 SwiGLU ``linear_fc1``, no biases, rope and untied embeddings (GQA through
-``TinyGPT.num_query_groups``). :func:`to_hf_llama` gathers its TP-sharded base weights (also
+``TinyGPT.kv_heads``). :func:`to_hf_llama` gathers its TP-sharded base weights (also
 from a LoRA-wrapped model: its state dict keeps the base keys) and loads them into an HF Llama
 built from a config: embedding, RMSNorm weights, q/k/v cut from the fused ``linear_qkv`` by query
 group and gate/up from ``linear_fc1`` with the same row rules :mod:`regather.hf.layout` uses for

@@ -36,7 +36,7 @@ def enable_megatron_cpu() -> bool:
         return True
     _patch_current_device()
     _patch_rng_tracker()
-    _patch_torch_norm()
+    patch_torch_norm()
     _ENABLED = True
     return True
 
@@ -88,7 +88,9 @@ def _patch_rng_tracker() -> None:
     tensor_parallel.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
 
 
-def _patch_torch_norm() -> None:
+def patch_torch_norm() -> None:
+    """Patch 3: ``WrappedTorchNorm`` built with SP off, its parameters tagged ``sequence_parallel``.
+    Idempotent; a GPU run without apex / TE needs it too (:func:`enable_megatron_cpu` does nothing there)."""
     from megatron.core.transformer import torch_norm
 
     orig_new = torch_norm.WrappedTorchNorm.__new__

@@ -2,22 +2,60 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
+from regather.core.shapes import ModelShape
 
-@dataclass
-class TinyGPT:
-    """Shape of a small GPT built from megatron-core's local spec."""
+#: megatron's names (``TransformerConfig`` / ``GPTModel``) of the shape fields: the harness's shapes
+#: take them as constructor keywords and answer to them as attributes.
+MEGATRON_NAMES = {"num_layers": "layers", "hidden_size": "hidden", "num_attention_heads": "heads",
+                  "num_query_groups": "kv_heads", "ffn_hidden_size": "ffn", "vocab_size": "vocab",
+                  "seq_length": "seq"}
 
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: int = 128
-    vocab_size: int = 256
-    seq_length: int = 32
-    num_query_groups: int | None = None
+
+def accepts_megatron_names(names: dict):
+    """Class decorator for a shape dataclass: its constructor also takes the ``names`` keys
+    (megatron's spelling of a field) as keywords, and the class answers to them as read-only
+    attributes. Keywords only: the fields' order is not megatron's."""
+
+    def decorate(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, **kwargs):
+            fields = {}
+            for key, value in kwargs.items():
+                name = names.get(key, key)
+                if name in fields:
+                    raise TypeError(f"{cls.__name__}() got {key!r} and {name!r}: the same field twice")
+                fields[name] = value
+            init(self, **fields)
+
+        cls.__init__ = __init__
+        for alias, name in names.items():
+            setattr(cls, alias, property(attrgetter(name), doc=f"megatron's name of ``{name}``"))
+        return cls
+
+    return decorate
+
+
+@accepts_megatron_names(MEGATRON_NAMES)
+@dataclass(frozen=True)
+class TinyGPT(ModelShape):
+    """Shape of a small dense GPT built from megatron-core's local spec: :class:`ModelShape` (the tiny
+    test GPT's sizes) and the sequence its batches have (megatron's ``max_sequence_length``).
+    Also built with megatron's names: ``TinyGPT(num_layers=2, hidden_size=64, seq_length=32)``."""
+
+    seq: int = 32
+
+    def __post_init__(self):
+        super().__post_init__()
+        if type(self) is TinyGPT and self.moe:
+            raise ValueError(f"TinyGPT(num_experts={self.num_experts}): a MoE GPT is a TinyMoE")
 
 
 def init_model_parallel(
@@ -97,11 +135,11 @@ def build_gpt(
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(
-        num_layers=shape.num_layers,
-        hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_attention_heads,
-        num_query_groups=shape.num_query_groups,
-        ffn_hidden_size=shape.ffn_hidden_size,
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads,
+        ffn_hidden_size=shape.ffn,
         tensor_model_parallel_size=tp,
         sequence_parallel=sequence_parallel and tp > 1,
         use_cpu_initialization=True,
@@ -115,13 +153,14 @@ def build_gpt(
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        **({} if shape.head_dim is None else {"kv_channels": shape.head_dim}),
         **config_overrides,
     )
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=shape.vocab_size,
-        max_sequence_length=shape.seq_length,
+        vocab_size=shape.vocab,
+        max_sequence_length=shape.seq,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
@@ -137,7 +176,7 @@ def build_gpt(
 def gpt_batch(shape: TinyGPT, micro_batch: int, seed: int = 0):
     """A deterministic batch (tokens, labels, position ids, attention mask), same on every rank."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, shape.vocab_size, (micro_batch, shape.seq_length + 1), generator=g)
+    tokens = torch.randint(0, shape.vocab, (micro_batch, shape.seq + 1), generator=g)
     return batch_from_tokens(tokens)
 
 

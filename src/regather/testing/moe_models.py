@@ -30,40 +30,31 @@ from dataclasses import dataclass
 
 import torch
 
-DISPATCHERS = ("alltoall", "allgather")
-EXPERT_KINDS = ("sequential", "grouped")
+from regather.megatron.reasons import REPLAYED_DISPATCHERS
+from regather.testing.models import MEGATRON_NAMES, TinyGPT, accepts_megatron_names
+
+# megatron's dispatchers the CPU harness builds (the flex one needs DeepEP, a GPU): those whose
+# route regather replays
+DISPATCHERS = REPLAYED_DISPATCHERS
 
 
-@dataclass
-class TinyMoE:
-    """Shape of a small MoE GPT (every ``moe_layer_freq``-th layer MoE)."""
+@accepts_megatron_names({**MEGATRON_NAMES, "moe_ffn_hidden_size": "moe_ffn", "shared_expert_size": "shared_expert_ffn"})
+@dataclass(frozen=True)
+class TinyMoE(TinyGPT):
+    """Shape of a small MoE GPT (every ``moe_layer_freq``-th layer MoE; ``ffn``: the dense layers):
+    :class:`TinyGPT` with the tiny test MoE's experts. Megatron's names are accepted too
+    (``moe_ffn_hidden_size``, ``shared_expert_size``: megatron's
+    ``moe_shared_expert_intermediate_size``, 0 for none)."""
 
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: int = 128  # dense layers
-    vocab_size: int = 256
-    seq_length: int = 32
     num_experts: int = 4
-    moe_ffn_hidden_size: int = 64
+    moe_ffn: int = 64
     topk: int = 2
-    dispatcher: str = "alltoall"
-    experts: str = "sequential"
-    shared_expert_size: int = 0  # moe_shared_expert_intermediate_size (0: none)
-    moe_layer_freq: int = 1  # 1: every layer MoE; 2: layers 0, 2, ... are MoE
     gated: bool = False  # SwiGLU experts (and dense MLPs)
-    num_query_groups: int | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"TinyMoE(dispatcher={self.dispatcher!r}): expected one of {DISPATCHERS}")
-        if self.experts not in EXPERT_KINDS:
-            raise ValueError(f"TinyMoE(experts={self.experts!r}): expected one of {EXPERT_KINDS}")
-
-    @property
-    def layer_pattern(self) -> list[int]:
-        """megatron's ``moe_layer_freq`` as a list: 1 where a layer is MoE."""
-        return [1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers)]
 
 
 def init_moe_parallel(tp: int, ep: int, etp: int | None = None, seed: int = 1234, pp: int = 1) -> None:
@@ -85,19 +76,21 @@ def moe_config(shape: TinyMoE, tp: int, ep: int, etp: int | None, dtype=torch.fl
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
-        num_query_groups=shape.num_query_groups, ffn_hidden_size=shape.ffn_hidden_size,
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads, ffn_hidden_size=shape.ffn,
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if etp is None else etp,
-        num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn,
         moe_router_topk=shape.topk, moe_token_dispatcher_type=shape.dispatcher,
         moe_grouped_gemm=shape.experts == "grouped", moe_layer_freq=shape.layer_pattern,
-        moe_shared_expert_intermediate_size=shape.shared_expert_size or None,
+        moe_shared_expert_intermediate_size=shape.shared_expert_ffn or None,
         moe_router_load_balancing_type="aux_loss",
         use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False, add_bias_linear=False,
     )
+    if shape.head_dim is not None:
+        kwargs["kv_channels"] = shape.head_dim
     if shape.gated:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu)
     kwargs.update(overrides)
@@ -132,7 +125,7 @@ def build_moe_gpt(shape: TinyMoE, tp: int, ep: int, etp: int | None = None, dtyp
     torch.manual_seed(seed)
     config = moe_config(shape, tp, ep, etp, dtype, **overrides)
     model = GPTModel(config=config, transformer_layer_spec=moe_layer_spec(shape, config),
-                     vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
+                     vocab_size=shape.vocab, max_sequence_length=shape.seq,
                      pre_process=pre_process, post_process=post_process, parallel_output=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope")
     if dtype != torch.float32:

@@ -91,14 +91,14 @@ def base_variant(name: str) -> str:
 def lora_for(run: MoERun, name: str):
     from regather.core.strategies import Strategy
     from regather.megatron.lora import LoRA
-    from regather.testing.train import _lora_other
+    from regather.testing.train import lora_asking
 
     strategy, opts = variant_options(name)
     kwargs = dict(target_modules=list(run.targets), dim=run.lora_dim, alpha=run.lora_alpha,
                   share_expert_adapters=run.share_expert_adapters, **opts)
     if strategy in ("gather", "regather"):
         return LoRA(sequence_parallel_input_regather=strategy == "regather", **kwargs)
-    return _lora_other(Strategy.parse(strategy), kwargs)
+    return lora_asking(Strategy.parse(strategy), kwargs)
 
 
 def build(run: MoERun, name: str):

@@ -19,6 +19,7 @@ import torch
 from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
 from regather.megatron.dense.model import adapters
 from regather.megatron.lora import LoRA
+from regather.megatron.reasons import ALL_TARGETS
 from regather.testing.models import TinyGPT, batch_from_tokens, build_gpt, gpt_batch, gpt_loss
 
 
@@ -34,7 +35,7 @@ class RunConfig:
     dtype: str = "float32"
     lora_dim: int = 8
     lora_alpha: int = 16
-    targets: tuple = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    targets: tuple = ALL_TARGETS
     lora_B_init_method: str = "zero"
     seed: int = 1234
     warmup: int = 1  # steps excluded from the step-time median
@@ -92,7 +93,7 @@ def lora_for(cfg: RunConfig) -> LoRA:
         from regather.megatron.canonical import CanonicalLoRA as cls
     if strategy in (Strategy.GATHER, Strategy.REGATHER):
         return cls(sequence_parallel_input_regather=strategy == Strategy.REGATHER, **kwargs)
-    return _lora_other(strategy, kwargs, cls)
+    return lora_asking(strategy, kwargs, cls)
 
 
 _STRATEGY_FIELDS = ("strategy", "sequence_parallel_input_strategy", "input_strategy")
@@ -117,8 +118,9 @@ def requestable_strategies(variants: bool = True) -> list[str]:
     return names
 
 
-def _lora_other(strategy, kwargs, cls=LoRA) -> LoRA:
-    """A LoRA config asking for a strategy other than gather/regather (e.g. lowrank)."""
+def lora_asking(strategy, kwargs, cls=LoRA) -> LoRA:
+    """A LoRA config asking for ``strategy`` through the field this build has for it: one other than
+    gather/regather (e.g. lowrank), which ``sequence_parallel_input_regather`` cannot ask for."""
     name = _strategy_field()
     if name is None:
         raise ValueError(f"LoRA has no field to ask for strategy {strategy.value!r}")
@@ -167,7 +169,7 @@ def require_decoder_input_grad(model: torch.nn.Module) -> None:
 
 def token_batches(cfg: RunConfig, tokens: torch.Tensor | None = None):
     """Step ``i``'s batch: consecutive windows of ``tokens`` (or random tokens)."""
-    s, b = cfg.shape.seq_length, cfg.micro_batch
+    s, b = cfg.shape.seq, cfg.micro_batch
     for step in range(cfg.steps):
         if tokens is None:
             yield gpt_batch(cfg.shape, b, seed=step)

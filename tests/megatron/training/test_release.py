@@ -39,18 +39,19 @@ def runs_then_teardown(rank, world_size, runs):
     from integration_cases import spec_for
 
     from regather.testing import megatron_train as mt
+    from regather.testing.megatron_train import build as mt_build  # where train() looks build_optimizer up
 
     mt.warm_up()
     before = gloo_threads()  # the default group's threads (and nothing else yet)
     built = []
-    build = mt.build_optimizer
+    build = mt_build.build_optimizer
 
     def recording_build(model, spec):  # weak references to what each run builds
         optimizer = build(model, spec)
         built.append([weakref.ref(m) for m in model] + [weakref.ref(optimizer)])
         return optimizer
 
-    mt.build_optimizer = recording_build
+    mt_build.build_optimizer = recording_build
     out = []
     try:
         for case, strategy in runs:
@@ -62,7 +63,7 @@ def runs_then_teardown(rank, world_size, runs):
                         "gloo_threads_after": gloo_threads(),
                         "alive_after": sum(r() is not None for r in built[-1])})
     finally:
-        mt.build_optimizer = build
+        mt_build.build_optimizer = build
     return {"before": before, "runs": out}
 
 
