@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from regather.core.shapes import ModelShape, RunShape, shape_fields
 from regather.megatron.canonical import CANONICAL_TARGETS
 from regather.tools import cli
 from regather.tools.bench import runner
@@ -13,14 +14,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def _estimate_for(spec: runner.BenchSpec) -> dict:
-    model = Model("tiny", hidden=spec.hidden, layers=spec.layers, heads=spec.heads, kv_heads=spec.kv_heads,
-                  ffn=spec.ffn, vocab=spec.vocab)
-    return estimate(model, _run_for(spec), [s for s in spec.strategies if s in ALL_STRATEGIES])
+    return estimate(_model_for(spec), _run_for(spec), [s for s in spec.strategies if s in ALL_STRATEGIES])
+
+
+def _model_for(spec: runner.BenchSpec) -> Model:
+    return Model(name="tiny", **shape_fields(ModelShape, spec))  # the bench's model, as estimate's
 
 
 def _run_for(spec: runner.BenchSpec) -> Run:
-    return Run(tp=spec.tp, seq=spec.seq, micro_batch=spec.micro_batch, dtype=spec.dtype,
-               lora_rank=spec.lora_rank, targets=tuple(spec.targets), input_requires_grad=spec.input_requires_grad)
+    return Run(**shape_fields(RunShape, spec))  # the bench's run, as estimate's
 
 
 def _assert_agree(summary: dict, spec: runner.BenchSpec) -> None:
@@ -43,9 +45,8 @@ def _assert_agree(summary: dict, spec: runner.BenchSpec) -> None:
 
 
 def _assert_same_adapters_recompute(decisions: dict, spec: runner.BenchSpec, name: str) -> None:
-    model = Model("tiny", hidden=spec.hidden, layers=spec.layers, heads=spec.heads, ffn=spec.ffn)
     predicted = {}
-    for layer, row in enumerate(adapter_inputs(model, _run_for(spec), name)):
+    for layer, row in enumerate(adapter_inputs(_model_for(spec), _run_for(spec), name)):
         for a in row:
             module = "self_attention" if a.target in ("linear_qkv", "linear_proj") else "mlp"
             predicted[f"decoder.layers.{layer}.{module}.{a.target}"] = a.recomputed_from is not None

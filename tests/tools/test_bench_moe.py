@@ -195,7 +195,7 @@ def test_cli_parses_the_moe_flags():
                   "--shared-expert-ffn", "16", "--moe-layer-freq", "2",
                   "--strategies", "gather,lowrank-recompute-redispatch"])
     assert isinstance(spec, MoEBenchSpec) and spec.world == 4
-    assert (spec.experts, spec.per_expert, spec.ep, spec.etp, spec.dispatcher, spec.num_experts, spec.topk,
+    assert (spec.experts, not spec.share_expert_adapters, spec.ep, spec.etp, spec.dispatcher, spec.num_experts, spec.topk,
             spec.moe_ffn, spec.shared_expert_ffn, spec.moe_layer_freq) == \
         ("grouped", True, 2, 2, "allgather", 8, 1, 32, 16, 2)
     run = spec.run_config()
@@ -238,16 +238,17 @@ def _estimate(summary):
     from regather.tools.estimate import Model, Run, estimate
 
     s = summary["spec"]
-    model = Model("tiny MoE", hidden=s["hidden"], layers=s["layers"], heads=s["heads"], ffn=0,
-                  experts=s["num_experts"], moe_ffn=s["moe_ffn"], topk=s["topk"])
+    model = Model(name="tiny MoE", hidden=s["hidden"], layers=s["layers"], heads=s["heads"], ffn=0,
+                  num_experts=s["num_experts"], moe_ffn=s["moe_ffn"], topk=s["topk"], experts=s["experts"],
+                  dispatcher=s["dispatcher"])
     out = {}
     for name in summary["strategies"]:
         redispatch = name.endswith("-redispatch")
         base = name[: -len("-redispatch")] if redispatch else name
         run = Run(tp=s["tp"], seq=s["seq"], micro_batch=s["micro_batch"], dtype=s["dtype"], lora_rank=s["lora_rank"],
-                  targets=tuple(s["targets"]), ep=s["ep"], etp=s["etp"], dispatcher=s["dispatcher"],
-                  expert_lora="shared" if s["experts"] == "grouped" and not s.get("per_expert") else "per-expert",
-                  redispatch=redispatch, input_requires_grad=bool(s.get("input_requires_grad")))
+                  targets=tuple(s["targets"]), ep=s["ep"], etp=s["etp"],
+                  share_expert_adapters=not moe_report.per_expert(s),
+                  redispatch_expert_inputs=redispatch, input_requires_grad=bool(s.get("input_requires_grad")))
         out[name] = (estimate(model, run, (base,))[base])
     return out
 

@@ -93,7 +93,7 @@ def test_gather_strategy_suggests_regather_and_tp1_says_no_effect():
 
 def test_estimate_api_is_used_when_present():
     per, how = doctor.per_adapter_saving(Setup(seq=8192, micro_batch=1, hidden=4096, tp=2, dtype="bfloat16"))
-    assert per == 8192 * 4096 * 2 // 2 and "regather.tools.estimate" in how
+    assert per == 8192 * 4096 * 2 // 2 and "regather.estimate.adapter_input_bytes" in how
 
 
 def test_cli_json_and_exit_code(capsys, monkeypatch):
@@ -227,8 +227,8 @@ def test_moe_recompute_rules_expert_fc1_from_the_router_fc2_rebuilt():
     from regather.megatron.dense.eligibility import IN_CHECKPOINT
     from regather.megatron.moe.inputs import PREDISPATCH, REDISPATCH_OPT_IN
 
-    seq = doctor.analytic_decisions(Setup(moe=True, recompute_adapter_inputs=True))
-    grouped = doctor.analytic_decisions(Setup(moe=True, experts="grouped", recompute_adapter_inputs=True,
+    seq = doctor.analytic_decisions(Setup(num_experts=4, recompute_adapter_inputs=True))
+    grouped = doctor.analytic_decisions(Setup(num_experts=4, experts="grouped", recompute_adapter_inputs=True,
                                               activation="swiglu"))
     for layer in (0, 1):
         assert seq[f"decoder.layers.{layer}.mlp.linear_fc1"]["recompute_reason"] == REDISPATCH_OPT_IN
@@ -236,22 +236,22 @@ def test_moe_recompute_rules_expert_fc1_from_the_router_fc2_rebuilt():
         assert seq[f"decoder.layers.{layer}.mlp.linear_fc2"]["recompute"] == "the MLP activation (gelu)"
         assert grouped[f"decoder.layers.{layer}.mlp.linear_fc2"]["recompute"] == \
             "the grouped experts' activation (silu, gated)"
-    act = doctor.analytic_decisions(Setup(moe=True, experts="grouped", recompute_adapter_inputs=True,
+    act = doctor.analytic_decisions(Setup(num_experts=4, experts="grouped", recompute_adapter_inputs=True,
                                           recompute_granularity="selective", recompute_modules=("moe_act",)))
     assert "'moe_act' in recompute_modules" in act["decoder.layers.0.mlp.linear_fc2"]["recompute_reason"]
-    moe = doctor.analytic_decisions(Setup(moe=True, recompute_adapter_inputs=True,
+    moe = doctor.analytic_decisions(Setup(num_experts=4, recompute_adapter_inputs=True,
                                           recompute_granularity="selective", recompute_modules=("moe",)))
     assert moe["decoder.layers.1.mlp.linear_fc2"]["recompute_reason"] == IN_CHECKPOINT
     # selective 'mlp' does not checkpoint MoE layers (megatron's TransformerLayer skips them): experts
     # still rebuild their inputs, as the adapters decide (eligibility.checkpointed_by_config(expert=True))
-    mlp = doctor.analytic_decisions(Setup(moe=True, experts="grouped", recompute_adapter_inputs=True,
+    mlp = doctor.analytic_decisions(Setup(num_experts=4, experts="grouped", recompute_adapter_inputs=True,
                                           recompute_granularity="selective", recompute_modules=("mlp",)))
     assert mlp["decoder.layers.1.mlp.linear_fc1"]["recompute"] == PREDISPATCH
     assert mlp["decoder.layers.1.mlp.linear_fc2"]["recompute"] == "the grouped experts' activation (gelu)"
-    only_fc2 = doctor.analytic_decisions(Setup(moe=True, recompute_adapter_inputs=True, targets=("linear_fc2",)))
+    only_fc2 = doctor.analytic_decisions(Setup(num_experts=4, recompute_adapter_inputs=True, targets=("linear_fc2",)))
     assert "keeps nothing" in only_fc2["decoder.layers.0.mlp.linear_fc2"]["recompute_reason"]
     assert only_fc2["decoder.layers.1.mlp.linear_fc2"]["recompute"] == "the MLP activation (gelu)"
-    line = str(doctor.saving_finding(Setup(moe=True, recompute_adapter_inputs=True), seq))
+    line = str(doctor.saving_finding(Setup(num_experts=4, recompute_adapter_inputs=True), seq))
     assert "0 MoE layer(s) of expert fc1 inputs" in line and "+ 2 of expert fc2 inputs" in line
 
 
@@ -260,7 +260,7 @@ def _fc1(setup, layer=1):
     return d["recompute"], d["recompute_reason"]
 
 
-MOE_RC = Setup(moe=True, recompute_adapter_inputs=True, ep=2)
+MOE_RC = Setup(num_experts=4, recompute_adapter_inputs=True, ep=2)
 
 
 def test_expert_fc1_rules_in_the_adapters_order():
@@ -304,7 +304,7 @@ def test_expert_fc1_rules_agree_with_estimate(kw):
     from regather.tools.estimate import expert_inputs
 
     setup = replace(MOE_RC, **kw)
-    model, run = doctor._expert_estimate(setup)
+    model, run = doctor.expert_estimate(setup)
     want = [next((a.recomputed_from, a.kept_because) for a in row if a.target == "experts.linear_fc1")
             for row in expert_inputs(model, run, "regather-recompute")]
     assert [_fc1(setup, layer) for layer in range(setup.layers)] == want
@@ -346,7 +346,7 @@ def test_saving_counts_expert_adapters_exactly():
     expert = 2 * (64 * 64 * 2 + 64 * 64 * 2)
     assert f"{2 * 4096 + 4096 + expert:,} bytes" in saving.message
     assert "2 MoE layer(s) of expert fc1 inputs x 8,192 bytes" in saving.message
-    model, run = doctor._expert_estimate(setup)
+    model, run = doctor.expert_estimate(setup)
     gather, rc = adapter_input_bytes(model, run, "gather"), adapter_input_bytes(model, run, "regather-recompute")
     assert sum(gather[k] - rc[k] for k in ("experts.linear_fc1", "experts.linear_fc2")) == expert
     bad = next(f for f in diagnose(GOOD_ENV, replace(setup, num_experts=3)) if f.code == "saving")

@@ -43,7 +43,7 @@ def test_lowrank_adds_under_one_percent_of_regathers_communication():
 
 
 def test_lowrank_changes_by_kind():
-    m = Model("m", hidden=64, layers=1, heads=4, ffn=128)
+    m = Model(name="m", hidden=64, layers=1, heads=4, ffn=128)
     run = Run(tp=4, seq=32, micro_batch=2, dtype="float32", grad_dtype="float32", lora_rank=8,
               targets=("linear_qkv",), first_stage=False)
     changes = {(k, what): n for k, n, what in comm_changes(m, run, "lowrank")}
@@ -149,7 +149,7 @@ def test_gather_recompute_rebuilds_only_fc2():
 
 def test_first_layer_rule_follows_the_trainable_adapters():
     """Layer 0's producers keep a tensor only once something upstream needs a gradient."""
-    m = Model("m", hidden=64, layers=2, heads=4, ffn=128)
+    m = Model(name="m", hidden=64, layers=2, heads=4, ffn=128)
 
     def recomputed(targets, **kw):
         layers = adapter_inputs(m, Run(tp=2, seq=32, micro_batch=2, dtype="float32", targets=targets, **kw),
@@ -165,7 +165,7 @@ def test_first_layer_rule_follows_the_trainable_adapters():
 
 
 def test_lowrank_removes_a_dx_reduce_scatter_only_where_dx_exists():
-    m = Model("m", hidden=64, layers=2, heads=4, ffn=128)
+    m = Model(name="m", hidden=64, layers=2, heads=4, ffn=128)
     run = Run(tp=2, seq=32, micro_batch=2, dtype="float32", targets=("linear_fc1", "linear_fc2"))
     x, mid = 32 * 2 * 64 * 4 // 2, 32 * 2 * 16 * 4 // 2
     assert estimate(m, run, ["lowrank"])["lowrank"]["extra_comm_bytes"]["reduce_scatter"] == -1 * x + 2 * mid
@@ -232,13 +232,13 @@ def test_moe_presets_shared_expert_lora_recompute_targets(name, kept_max, saved_
 def test_moe_presets_per_expert_lora_keeps_fc1_without_the_opt_in(name):
     model, run = MOE_RUNS[name]
     fc1, _ = _expert_bytes(model, run)
-    local = model.experts // run.ep
-    per = estimate(model, replace(run, expert_lora="per-expert"), ["regather-recompute"])["regather-recompute"]
+    local = model.num_experts // run.ep
+    per = estimate(model, replace(run, share_expert_adapters=False), ["regather-recompute"])["regather-recompute"]
     shared = estimate(model, run, ["regather-recompute"])["regather-recompute"]
     assert per["adapter_input_bytes"] == shared["adapter_input_bytes"] + model.layers * fc1
     assert per["kept_by_reason"][f"experts.linear_fc1: {REDISPATCH_OPT_IN}"] == model.layers * local
     assert per["recomputed_by_target"]["experts.linear_fc2"] == model.layers * local  # one adapter per expert
-    rd = estimate(model, replace(run, expert_lora="per-expert", redispatch=True),
+    rd = estimate(model, replace(run, share_expert_adapters=False, redispatch_expert_inputs=True),
                   ["regather-recompute"])["regather-recompute"]
     assert rd["adapter_input_bytes"] == shared["adapter_input_bytes"]
     assert rd["recomputed_by_target"]["experts.linear_fc1"] == model.layers * local
@@ -250,7 +250,7 @@ def _fc1(model, run, strategy="regather-recompute"):
             for row in expert_inputs(model, run, strategy)]
 
 
-TINY_MOE = Model("tiny-moe", hidden=64, layers=2, heads=4, experts=8, moe_ffn=32, topk=2)
+TINY_MOE = Model(name="tiny-moe", hidden=64, layers=2, heads=4, num_experts=8, moe_ffn=32, topk=2)
 
 
 def test_expert_fc1_rules():
@@ -258,19 +258,19 @@ def test_expert_fc1_rules():
     fc1 = 32 * 2 // 2 * 2 * 64 * 4  # R*h*e, R = T*k = (s*b/t)*k
     assert _fc1(TINY_MOE, run, "regather") == [(fc1, None, None)] * 2  # no recompute asked
     assert _fc1(TINY_MOE, run) == [(0, PREDISPATCH, None)] * 2  # qkv/proj adapters: the router's input needs grad
-    assert _fc1(TINY_MOE, replace(run, expert_lora="per-expert")) == [(fc1, None, REDISPATCH_OPT_IN)] * 2
-    assert _fc1(TINY_MOE, replace(run, expert_lora="per-expert", redispatch=True)) == [(0, REDISPATCH, None)] * 2
-    assert _fc1(TINY_MOE, replace(run, redispatch=True)) == [(0, PREDISPATCH, None)] * 2  # shared: no effect
+    assert _fc1(TINY_MOE, replace(run, share_expert_adapters=False)) == [(fc1, None, REDISPATCH_OPT_IN)] * 2
+    assert _fc1(TINY_MOE, replace(run, share_expert_adapters=False, redispatch_expert_inputs=True)) == [(0, REDISPATCH, None)] * 2
+    assert _fc1(TINY_MOE, replace(run, redispatch_expert_inputs=True)) == [(0, PREDISPATCH, None)] * 2  # shared: no effect
     # only expert adapters, frozen embeddings: layer 0's router input needs no grad (it keeps nothing)
     experts_only = replace(run, targets=("linear_fc1", "linear_fc2"))
     for lora in ("shared", "per-expert"):
-        got = _fc1(TINY_MOE, replace(experts_only, expert_lora=lora, redispatch=True))
+        got = _fc1(TINY_MOE, replace(experts_only, share_expert_adapters=lora == "shared", redispatch_expert_inputs=True))
         assert got[0] == (fc1, None, ROUTER_KEEPS_NOTHING) and got[1][0] == 0, lora
     # ... unless the decoder input requires grad (or this is a later pipeline stage)
     assert _fc1(TINY_MOE, replace(experts_only, input_requires_grad=True)) == [(0, PREDISPATCH, None)] * 2
     assert _fc1(TINY_MOE, replace(experts_only, first_stage=False)) == [(0, PREDISPATCH, None)] * 2
     # per-expert without the opt-in: the opt-in reason comes first, even where the router keeps nothing
-    assert _fc1(TINY_MOE, replace(experts_only, expert_lora="per-expert"))[0][2] == REDISPATCH_OPT_IN
+    assert _fc1(TINY_MOE, replace(experts_only, share_expert_adapters=False))[0][2] == REDISPATCH_OPT_IN
     # no fc1 adapter: no fc1 row, and no expert communication
     fc2_only = replace(run, targets=("linear_qkv", "linear_fc2"))
     assert [[a.target for a in row] for row in expert_inputs(TINY_MOE, fc2_only, "regather-recompute")] == \
@@ -321,7 +321,7 @@ def test_predispatch_comm_by_hand():
                         "all_gather": route_etp + a_gather - mid,
                         "reduce_scatter": route_etp + a_gather,
                         "all_reduce": -2 * mid}
-    allgather = _by_kind(comm_changes(TINY_MOE, _moe_comm_run(dispatcher="allgather"), "regather-recompute"))
+    allgather = _by_kind(comm_changes(replace(TINY_MOE, dispatcher="allgather"), _moe_comm_run(), "regather-recompute"))
     route = T * G * R_ * W * (G - 1) // G  # all-gather over EP x expert TP (reverse: reduce-scatter)
     assert allgather == {"all_gather": route + a_gather - mid, "reduce_scatter": route + a_gather,
                          "all_reduce": -2 * mid}
@@ -332,15 +332,15 @@ def test_predispatch_comm_by_hand():
 
 
 def test_redispatch_comm_by_hand():
-    per_expert = dict(expert_lora="per-expert", redispatch=True)
+    per_expert = dict(share_expert_adapters=False, redispatch_expert_inputs=True)
     alltoall = _by_kind(comm_changes(TINY_MOE, _moe_comm_run(**per_expert), "regather-recompute"))
     assert alltoall == {"all_to_all": T * K * H_ * W // 2,  # the tokens, once more, (p-1)/p
                         "all_gather": T * K * ET * H_ * W // 2}  # and gathered over expert TP
-    allgather = _by_kind(comm_changes(TINY_MOE, _moe_comm_run(dispatcher="allgather", **per_expert),
+    allgather = _by_kind(comm_changes(replace(TINY_MOE, dispatcher="allgather"), _moe_comm_run(**per_expert),
                                       "regather-recompute"))
     assert allgather == {"all_gather": T * G * H_ * W * (G - 1) // G}
     # without the opt-in nothing is sent (the input is kept); at ep = etp = 1 nothing crosses ranks
-    assert comm_changes(TINY_MOE, _moe_comm_run(expert_lora="per-expert"), "regather-recompute") == []
+    assert comm_changes(TINY_MOE, _moe_comm_run(share_expert_adapters=False), "regather-recompute") == []
     assert comm_changes(TINY_MOE, replace(_moe_comm_run(**per_expert), ep=1, etp=1), "regather-recompute") == []
 
 
@@ -366,11 +366,11 @@ def test_rejects_bad_expert_layouts():
         adapter_input_bytes(replace(TINY_MOE, moe_ffn=64), Run(tp=2, seq=32, lora_rank=6, etp=4), "gather")
     assert bytes_of(etp=2, targets=("linear_fc2",))  # the rank splits only over fc1's LoRA-A
     with pytest.raises(ValueError, match="EP 2 / expert TP 1 on m, which has no experts"):
-        adapter_input_bytes(Model("m", hidden=64, layers=1, heads=4, ffn=128), Run(ep=2), "gather")
-    with pytest.raises(ValueError, match="expert_lora='grouped'"):
-        bytes_of(expert_lora="grouped")
+        adapter_input_bytes(Model(name="m", hidden=64, layers=1, heads=4, ffn=128), Run(ep=2), "gather")
+    with pytest.raises(ValueError, match="experts='per-expert'"):
+        replace(TINY_MOE, experts="per-expert")  # how the experts are built: sequential or grouped
     with pytest.raises(ValueError, match="dispatcher='flex'"):
-        bytes_of(dispatcher="flex")
+        bytes_of(replace(TINY_MOE, dispatcher="flex"))
     with pytest.raises(ValueError, match="TP 2 without sequence parallelism"):
         adapter_input_bytes(TINY_MOE, Run(tp=2, sp=False, seq=32), "gather")
     with pytest.raises(SystemExit, match="128 experts do not split over EP 3"):

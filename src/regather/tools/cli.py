@@ -16,8 +16,8 @@ import sys
 _COMMANDS = {
     "demo": "regather.tools.demo",
     "bench": "regather.tools.bench.cli",
-    "estimate": "regather.tools.estimate",
-    "doctor": "regather.tools.doctor",
+    "estimate": "regather.tools.estimate.cli",
+    "doctor": "regather.tools.doctor.cli",
 }
 
 

@@ -19,6 +19,8 @@ from importlib import resources
 
 import torch
 
+from regather.megatron.reasons import ELIGIBLE_BASES
+
 STRATEGIES = ("gather", "regather", "regather-recompute")
 LABELS = {"gather": "gather", "regather": "regather", "regather-recompute": "+recompute"}
 
@@ -45,8 +47,8 @@ def _labelled(result: dict, *names: str) -> int:
 
 
 def _eligible(result: dict) -> int:
-    """Saved LoRA-A input bytes of the adapters on linear_qkv and linear_fc1."""
-    return _labelled(result, "linear_qkv", "linear_fc1")
+    """Saved LoRA-A input bytes of the re-gather-eligible adapters (linear_qkv and linear_fc1)."""
+    return _labelled(result, *ELIGIBLE_BASES)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -64,8 +66,8 @@ def run(args) -> int:
     from regather.testing.models import TinyGPT
     from regather.testing.train import RunConfig
 
-    shape = TinyGPT(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                    ffn_hidden_size=4 * args.hidden, vocab_size=256, seq_length=args.seq)
+    shape = TinyGPT(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=4 * args.hidden, vocab=256,
+                    seq=args.seq)
     cfg = RunConfig(tp=args.tp, shape=shape, micro_batch=args.micro_batch, steps=args.steps,
                     lr=args.lr, lora_dim=args.lora_rank, lora_alpha=2 * args.lora_rank, warmup=3)
     tokens = load_corpus()

@@ -252,7 +252,7 @@ def _doctor_says(case) -> str:
     from regather.tools.doctor import Setup, recompute_part
 
     fused = dict(case.model).get("bias_activation_fusion", False)
-    setup = Setup(moe=True, experts=case.shape.experts, recompute_adapter_inputs=True,
+    setup = Setup(num_experts=case.shape.num_experts, experts=case.shape.experts, recompute_adapter_inputs=True,
                   activation="swiglu" if case.shape.gated else "gelu")
     producer, why = recompute_part(setup, "linear_fc2", "gather", True)
     assert why is None, why

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 
+from regather.core.shapes import EXPERT_KINDS
 from regather.megatron.canonical import CANONICAL_TARGETS
-from regather.tools.bench.moe import DEFAULT_VARIANTS, DISPATCHERS, EXPERT_KINDS, MoEBenchSpec
+from regather.tools.bench.moe import DEFAULT_VARIANTS, DISPATCHERS, MoEBenchSpec
 from regather.tools.bench.runner import DEFAULT_TARGETS, BenchSpec
 
 
@@ -102,8 +103,9 @@ def spec_from_args(args) -> BenchSpec:
 
     if getattr(args, "moe", False):
         return moe_spec_from_args(args)
+    dm = MoEBenchSpec()
     only_moe = [s for s in args.strategies or () if s not in available_strategies()]
-    only_moe += [f"--{n.replace('_', '-')}" for n in _MOE_OPTIONS if getattr(args, n, None) != getattr(MoEBenchSpec, n)]
+    only_moe += [f"--{n.replace('_', '-')}" for n in _MOE_OPTIONS if getattr(args, n, None) != getattr(dm, n, False)]
     if only_moe:
         raise SystemExit(f"regather bench: {', '.join(only_moe)}: MoE models only (--moe)")
     if args.steps <= args.warmup:
@@ -121,6 +123,7 @@ def spec_from_args(args) -> BenchSpec:
                      timeout=args.timeout, quiet=args.quiet, input_requires_grad=args.input_requires_grad)
 
 
+# the --moe options (--per-expert: share_expert_adapters=False), in the order the refusal names them
 _MOE_OPTIONS = ("ep", "etp", "experts", "per_expert", "dispatcher", "num_experts", "topk", "moe_ffn",
                 "shared_expert_ffn", "moe_layer_freq")
 
@@ -129,10 +132,10 @@ def moe_spec_from_args(args) -> MoEBenchSpec:
     """The ``--moe`` spec; exits with every problem of the combination given."""
     names = ("kv_heads", "hidden", "layers", "heads", "ffn", "vocab", "tp", "seq", "micro_batch", "dtype",
              "lora_rank", "lora_alpha", "canonical", "steps", "warmup", "timeout", "quiet",
-             "input_requires_grad") + _MOE_OPTIONS
+             "input_requires_grad") + tuple(n for n in _MOE_OPTIONS if n != "per_expert")
     targets = args.targets if args.targets is not None else DEFAULT_TARGETS
-    spec = MoEBenchSpec(**{n: getattr(args, n) for n in names}, targets=tuple(targets),
-                        strategies=tuple(args.strategies or ()))
+    spec = MoEBenchSpec(**{n: getattr(args, n) for n in names}, share_expert_adapters=not args.per_expert,
+                        targets=tuple(targets), strategies=tuple(args.strategies or ()))
     problems = spec.problems()
     if problems:
         raise SystemExit("regather bench --moe: " + "; ".join(problems))

@@ -15,7 +15,7 @@ one row per variant:
   first also checks each MoE layer's route once under the expert recompute: reported apart), and
   the extra against gather and against the variant's own strategy;
 - step-time medians (slowest rank per step) and paired ratios, as the dense bench
-  (:func:`regather.tools.bench.runner._ratios`);
+  (:func:`regather.tools.bench.runner.step_time_ratios`);
 - parity against gather and against the strategy without options: max |Δloss| over the steps,
   max |Δgrad| of the last step's LoRA gradients over every rank (absolute and relative to the
   reference's largest entry);
@@ -26,31 +26,32 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from regather.tools.bench.runner import BenchSpec, _decision_counts, _progress_printer, _ratios, _recompute_counts
+from regather.core.shapes import ModelShape, shape_fields
+from regather.megatron.reasons import REPLAYED_DISPATCHERS
+from regather.tools.bench.runner import (
+    BenchSpec,
+    decision_counts,
+    progress_printer,
+    recompute_counts,
+    step_time_ratios,
+)
 
-EXPERT_KINDS = ("sequential", "grouped")
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = REPLAYED_DISPATCHERS  # the variants compare routes regather replays
 DEFAULT_VARIANTS = ("gather", "regather", "regather-recompute", "regather-recompute-redispatch", "lowrank",
                     "lowrank-recompute")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MoEBenchSpec(BenchSpec):
-    """What ``regather bench --moe`` runs: the dense fields (``ffn``: dense layers and ``--moe-layer-freq``)
-    plus the MoE layout and routing."""
+    """What ``regather bench --moe`` runs: the dense bench's spec with the tiny test MoE's experts
+    (``ffn``: dense layers and ``--moe-layer-freq``) and an expert-parallel layout."""
 
     ep: int = 2
-    etp: int = 1
-    experts: str = "sequential"
-    per_expert: bool = False  # grouped experts: one LoRA pair per local expert (share_expert_adapters=False)
-    dispatcher: str = "alltoall"
     num_experts: int = 4
     topk: int = 2
     moe_ffn: int = 64
-    shared_expert_ffn: int = 0
-    moe_layer_freq: int = 1
 
     @property
     def world(self) -> int:
@@ -61,11 +62,9 @@ class MoEBenchSpec(BenchSpec):
         from regather.testing.moe_train import variant_options
 
         out = []
-        if self.experts not in EXPERT_KINDS:
-            out.append(f"--experts {self.experts!r}: expected one of {', '.join(EXPERT_KINDS)}")
         if self.dispatcher not in DISPATCHERS:
             out.append(f"--dispatcher {self.dispatcher!r}: expected one of {', '.join(DISPATCHERS)}")
-        if self.per_expert and self.experts != "grouped":
+        if not self.share_expert_adapters and self.experts != "grouped":
             out.append("--per-expert needs --experts grouped (SequentialMLP experts always have an adapter each)")
         if min(self.tp, self.ep, self.etp) < 1:
             out.append("--tp, --ep and --etp must be at least 1")
@@ -100,23 +99,18 @@ class MoEBenchSpec(BenchSpec):
         from regather.testing.moe_models import TinyMoE
         from regather.testing.moe_train import MoERun
 
-        shape = TinyMoE(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
-                        ffn_hidden_size=self.ffn, vocab_size=self.vocab, seq_length=self.seq,
-                        num_experts=self.num_experts, moe_ffn_hidden_size=self.moe_ffn, topk=self.topk,
-                        dispatcher=self.dispatcher, experts=self.experts,
-                        shared_expert_size=self.shared_expert_ffn, moe_layer_freq=self.moe_layer_freq,
-                        num_query_groups=self.kv_heads)
+        shape = TinyMoE(**shape_fields(ModelShape, self), seq=self.seq)
         return MoERun(shape=shape, tp=self.tp, ep=self.ep, etp=self.etp, dtype=self.dtype,
                       micro_batch=self.micro_batch, steps=self.steps, lr=self.lr, lora_dim=self.lora_rank,
                       lora_alpha=self.lora_alpha, targets=tuple(self.targets),
-                      share_expert_adapters=not self.per_expert, input_requires_grad=self.input_requires_grad,
+                      share_expert_adapters=self.share_expert_adapters, input_requires_grad=self.input_requires_grad,
                       seed=self.seed)
 
     @property
     def shared_a(self) -> bool:
         """Grouped experts with one LoRA-A for the local experts: it runs before the dispatch under
         every ``-recompute`` variant (``-redispatch`` changes nothing there)."""
-        return self.experts == "grouped" and not self.per_expert
+        return self.experts == "grouped" and self.share_expert_adapters
 
 
 def default_variants(spec: MoEBenchSpec) -> tuple:
@@ -144,7 +138,7 @@ def moe_rank(rank: int, world_size: int, spec: MoEBenchSpec) -> dict:
     from regather.testing.moe_train import compare_moe
 
     logging.getLogger("regather").setLevel(logging.ERROR)  # expected fallbacks are in the report
-    progress = _progress_printer(rank, spec.strategies, spec.steps, spec.quiet)
+    progress = progress_printer(rank, spec.strategies, spec.steps, spec.quiet)
     results = compare_moe(rank, world_size, spec.run_config(), list(spec.strategies),
                           parity_pairs(spec.strategies), progress=progress)
     if rank != 0:  # decisions are the same on every rank: rank 0's enter the report
@@ -158,9 +152,9 @@ def run(spec: MoEBenchSpec) -> dict:
     from regather.testing.dist import run_ranks
 
     if not spec.strategies:
-        spec.strategies = default_variants(spec)
+        spec = replace(spec, strategies=default_variants(spec))
     if "gather" not in spec.strategies:
-        spec.strategies = ("gather",) + tuple(spec.strategies)  # every ratio and parity is against gather
+        spec = replace(spec, strategies=("gather",) + tuple(spec.strategies))  # every ratio and parity: vs gather
     problems = spec.problems()
     if problems:
         raise ValueError("regather bench --moe: " + "; ".join(problems))
@@ -220,8 +214,8 @@ def _row(results: list, spec: MoEBenchSpec) -> dict:
         "parity_per_rank": [r["parity"] for r in results],
         "rank_coords": [r["coords"] for r in results],
         "decisions": results[0]["decisions"],
-        "adapters_by_strategy": _decision_counts(results[0]["decisions"]),
-        "adapter_inputs": _recompute_counts(results[0]["decisions"]),
+        "adapters_by_strategy": decision_counts(results[0]["decisions"]),
+        "adapter_inputs": recompute_counts(results[0]["decisions"]),
     }
 
 
@@ -230,7 +224,7 @@ def _compare(row: dict, ref: dict, ref_name: str, what: str, warmup: int) -> Non
     row[f"comm_bytes_extra_vs_{what}"] = _minus(row["comm_bytes_per_step_mean"], ref["comm_bytes_per_step_mean"])
     row[f"comm_bytes_first_step_extra_vs_{what}"] = _minus(row["comm_bytes_first_step_mean"],
                                                           ref["comm_bytes_first_step_mean"])
-    _ratios(row, ref, what, warmup)
+    step_time_ratios(row, ref, what, warmup)
     diffs = [abs(a - b) for a, b in zip(row["loss"], ref["loss"])]
     suffix = "" if what == "gather" else f"_vs_{what}"
     row[f"max_abs_loss_diff{suffix}"] = max(diffs)

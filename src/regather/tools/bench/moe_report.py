@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import shlex
 
+from regather.megatron.reasons import ALL_TARGETS, EXPERT_TARGETS
 from regather.tools.bench import report
 
-KIND_ORDER = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "shared_experts.linear_fc1",
-              "shared_experts.linear_fc2", "experts.linear_fc1", "experts.linear_fc2")
+KIND_ORDER = ALL_TARGETS + ("shared_experts.linear_fc1", "shared_experts.linear_fc2") + EXPERT_TARGETS
+
+
+def per_expert(spec: dict) -> bool:
+    """One LoRA pair per local expert asked (``--per-expert``): ``share_expert_adapters`` off, or, in
+    a bench.json written before the shapes were shared, ``per_expert``."""
+    return spec.get("per_expert", not spec.get("share_expert_adapters", True))
 
 
 def command_line(spec: dict, out: str | None = None) -> str:
@@ -21,7 +27,7 @@ def command_line(spec: dict, out: str | None = None) -> str:
     opts = ["--moe", "--ep", spec["ep"], "--etp", spec["etp"], "--experts", spec["experts"],
             "--dispatcher", spec["dispatcher"], "--num-experts", spec["num_experts"], "--topk", spec["topk"],
             "--moe-ffn", spec["moe_ffn"]]
-    if spec.get("per_expert"):
+    if per_expert(spec):
         opts += ["--per-expert"]
     if spec.get("shared_expert_ffn"):
         opts += ["--shared-expert-ffn", spec["shared_expert_ffn"]]
@@ -180,7 +186,7 @@ def text_table(summary: dict) -> str:
 
 
 def spec_line(spec: dict, world: int) -> str:
-    experts = spec["experts"] + (", one LoRA pair per local expert" if spec.get("per_expert") else
+    experts = spec["experts"] + (", one LoRA pair per local expert" if per_expert(spec) else
                                  ", one LoRA-A shared by the local experts" if spec["experts"] == "grouped" else "")
     extra = (f", shared expert ffn {spec['shared_expert_ffn']}" if spec.get("shared_expert_ffn") else "") + \
         (f", MoE every {spec['moe_layer_freq']} layers (dense ffn {spec['ffn']})" if spec.get("moe_layer_freq", 1) > 1

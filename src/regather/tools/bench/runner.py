@@ -16,28 +16,20 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from regather.core.shapes import ModelShape, RunShape, shape_fields
 from regather.megatron.lora import DEFAULT_TARGETS
 
 
-@dataclass
-class BenchSpec:
-    """What ``regather bench`` runs (the tiny default model unless sizes are given)."""
+@dataclass(frozen=True)
+class BenchSpec(ModelShape, RunShape):
+    """What ``regather bench`` runs: the model and run shapes (the tiny default GPT unless sizes are
+    given) and how long to measure."""
 
-    hidden: int = 64
-    layers: int = 2
-    heads: int = 4
-    ffn: int = 128
-    vocab: int = 256
-    kv_heads: int | None = None
-    tp: int = 2
     seq: int = 64
-    micro_batch: int = 2
-    dtype: str = "float32"
-    lora_rank: int = 8
-    lora_alpha: int = 16
     targets: tuple = DEFAULT_TARGETS
+    lora_alpha: int = 16
     steps: int = 8
     warmup: int = 2
     strategies: tuple = ()
@@ -45,9 +37,6 @@ class BenchSpec:
     seed: int = 1234
     timeout: float = 3600.0
     quiet: bool = False
-    # the decoder input requires grad (Bridge's maybe_enable_recompute_inputs_grad): layer 0's
-    # linear_qkv may then recompute its input too (regather.testing.train.RunConfig)
-    input_requires_grad: bool = False
     # regather.CanonicalLoRA on a gated SwiGLU GPT (its targets are CANONICAL_TARGETS): the
     # q/k/v and gate/up adapter inputs are reported beside Bridge's CanonicalLoRA (canonical_inputs)
     canonical: bool = False
@@ -56,10 +45,8 @@ class BenchSpec:
         from regather.testing.models import TinyGPT
         from regather.testing.train import RunConfig
 
-        shape = TinyGPT(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
-                        ffn_hidden_size=self.ffn, vocab_size=self.vocab, seq_length=self.seq,
-                        num_query_groups=self.kv_heads)
-        return RunConfig(strategy="gather", tp=self.tp, sequence_parallel=True, shape=shape,
+        shape = TinyGPT(**shape_fields(ModelShape, self), seq=self.seq)
+        return RunConfig(strategy="gather", tp=self.tp, sequence_parallel=self.sp, shape=shape,
                          micro_batch=self.micro_batch, steps=self.steps, lr=self.lr, dtype=self.dtype,
                          lora_dim=self.lora_rank, lora_alpha=self.lora_alpha, targets=tuple(self.targets),
                          lora_B_init_method="normal", seed=self.seed, warmup=self.warmup,
@@ -81,9 +68,9 @@ def _use_nccl(rank: int, world_size: int, init_file: str):
     import torch
     import torch.distributed as dist
 
-    from regather.testing.megatron_cpu import _patch_torch_norm
+    from regather.testing.megatron_cpu import patch_torch_norm
 
-    _patch_torch_norm()  # without apex/TE the local spec's torch norm refuses SP (design.md §6)
+    patch_torch_norm()  # without apex/TE the local spec's torch norm refuses SP (design.md §6)
     torch.cuda.set_device(rank)
     dist.destroy_process_group()
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
@@ -91,7 +78,8 @@ def _use_nccl(rank: int, world_size: int, init_file: str):
     return torch.device("cuda", rank)
 
 
-def _progress_printer(rank: int, strategies, steps: int, quiet: bool):
+def progress_printer(rank: int, strategies, steps: int, quiet: bool):
+    """Rank 0's progress line on stderr (a ``progress(name, step, seconds)`` callback), or None."""
     if rank != 0 or quiet:
         return None
     start = time.perf_counter()
@@ -116,7 +104,7 @@ def bench_rank(rank: int, world_size: int, spec: BenchSpec, nccl_init_file: str 
 
     logging.getLogger("regather").setLevel(logging.ERROR)  # expected fallbacks are in the report
     device = _use_nccl(rank, world_size, nccl_init_file) if nccl_init_file else None
-    progress = _progress_printer(rank, spec.strategies, spec.steps, spec.quiet)
+    progress = progress_printer(rank, spec.strategies, spec.steps, spec.quiet)
     results = compare_strategies(rank, world_size, spec.run_config(), list(spec.strategies),
                                  device=device, progress=progress)
     if rank != 0:  # only rank 0's gradients and losses enter the report
@@ -132,9 +120,9 @@ def run(spec: BenchSpec) -> dict:
     from regather.testing.dist import run_ranks
 
     if not spec.strategies:
-        spec.strategies = tuple(available_strategies())
+        spec = replace(spec, strategies=tuple(available_strategies()))
     if "gather" not in spec.strategies:
-        spec.strategies = ("gather",) + tuple(spec.strategies)  # every ratio is against gather
+        spec = replace(spec, strategies=("gather",) + tuple(spec.strategies))  # every ratio is against gather
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= spec.tp
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="regather-bench-") as tmp:
@@ -158,7 +146,7 @@ def grad_difference(grads: dict, ref: dict, rank: int, tp: int) -> tuple[float, 
     return worst, (worst / scale if scale else 0.0)
 
 
-def _decision_counts(decisions: dict) -> dict:
+def decision_counts(decisions: dict) -> dict:
     """How many adapters ran each strategy (the reasons are in ``decisions``)."""
     counts: dict[str, int] = {}
     for d in decisions.values():
@@ -167,7 +155,7 @@ def _decision_counts(decisions: dict) -> dict:
     return counts
 
 
-def _recompute_counts(decisions: dict) -> dict:
+def recompute_counts(decisions: dict) -> dict:
     """With recompute asked: how many adapters rebuild their input (by producer), how many keep it."""
     counts: dict[str, int] = {}
     for d in decisions.values():
@@ -209,18 +197,18 @@ def summarise(per_rank: list, spec: BenchSpec) -> dict:
             "max_abs_grad_diff": grad_abs,
             "max_rel_grad_diff": grad_rel,
             **_recompute_clock(per_rank, name, spec),
-            "adapters_by_strategy": _decision_counts(res["decisions"]),
-            "adapter_inputs": _recompute_counts(res["decisions"]),
+            "adapters_by_strategy": decision_counts(res["decisions"]),
+            "adapter_inputs": recompute_counts(res["decisions"]),
             "decisions": res["decisions"],
         }
     from regather.testing.train import base_strategy
 
     for name, row in rows.items():
-        _ratios(row, rows["gather"], "gather", spec.warmup)
+        step_time_ratios(row, rows["gather"], "gather", spec.warmup)
         base = base_strategy(name)  # a variant against the strategy it varies (regather-recompute: regather)
         if base != name and base in rows:
             row["variant_of"] = base
-            _ratios(row, rows[base], "base", spec.warmup)
+            step_time_ratios(row, rows[base], "base", spec.warmup)
     out = {"spec": asdict(spec), "strategies": rows}
     if spec.canonical:
         out["canonical_inputs"] = canonical_inputs(rows, spec)
@@ -263,7 +251,7 @@ def _recompute_clock(per_rank: list, name: str, spec: BenchSpec) -> dict:
             "recompute_share_of_step": statistics.median(a / b for a, b in timed)}
 
 
-def _ratios(row: dict, ref: dict, what: str, warmup: int) -> None:
+def step_time_ratios(row: dict, ref: dict, what: str, warmup: int) -> None:
     """Median-step ratio and paired ratio (median of per-step ratios: the same step index of
     both ran in the same rotated round) of ``row`` against ``ref``."""
     row[f"step_time_ratio_vs_{what}"] = row["median_step_time"] / ref["median_step_time"]

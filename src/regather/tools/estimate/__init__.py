@@ -1,0 +1,91 @@
+"""``regather estimate``: LoRA-A input memory and extra communication, analytically.
+
+Same definitions as ``regather bench`` (design.md §7), so the two agree byte
+for byte on the configurations bench can run (``tests/tools/test_bench.py``,
+every strategy and ``-recompute`` variant, frozen and grad-requiring decoder input):
+
+- **adapter-input bytes** — what the LoRA-A weights keep for their gradient, per GPU, summed
+  over the adapters of the layers this GPU holds and over the micro-batches in flight;
+- **communication** — bytes each rank *receives* per micro-batch (forward + backward) beyond
+  the gather path, under ring algorithms (``regather.core.accounting``).
+
+One module per concern:
+
+- :mod:`.config`  — the model and run (:mod:`regather.core.shapes`), the presets, the strategies
+  and the layout checks; which producers keep a tensor to recompute from
+- :mod:`.dense`   — the dense adapters' bytes and collectives (the per-adapter tables)
+- :mod:`.experts` — the expert adapters' bytes (the EP x ETP group's mean) and the collectives of
+  rebuilding their inputs from the router's input
+- :mod:`.summary` — the totals per strategy (:func:`estimate`)
+- :mod:`.report`  — the text report and the JSON document; :mod:`.cli` — ``regather estimate``
+
+A producer keeps a tensor only when its input requires grad (the base weights are
+frozen). With frozen embeddings the decoder input does not, so layer 0's
+``input_layernorm`` keeps nothing and layer 0's qkv keeps its input (``x_local``);
+likewise layer 0's fc1 when neither qkv nor proj has an adapter, and layer 0's fc2
+when nothing before it does (:func:`producer_inputs_need_grad`). A later pipeline stage
+(``first_stage=False``) receives an input that requires grad, as does layer 0 with
+``input_requires_grad`` (Megatron Bridge's ``maybe_enable_recompute_inputs_grad``, which Bridge
+applies when activation recompute is on; HF's ``enable_input_require_grads``). The
+``-recompute`` rows give both savings. Transient memory in backward (the rebuilt input, alive
+until ``dA``; regather's re-gather buffer; the re-dispatched tokens) is not retained memory and
+is not counted, as for every strategy.
+
+Assumptions: SP layout ``[s, b, h]`` sharded over ``s``; LoRA on the linears
+named in ``--targets``; in MoE layers ``linear_fc1``/``linear_fc2`` are the
+experts' (they never re-gather, design.md §5), routing is dropless (no capacity
+drop-and-pad), the dispatcher is megatron's alltoall or allgather one, and expert
+bytes are the EP x ETP group's mean (:mod:`.experts`); pipeline stages hold ``layers/pp``
+layers; router, attention internals, allocator and workspace memory are not
+modelled.
+"""
+
+from regather.megatron.reasons import ALL_TARGETS, EXPERT_TARGETS, NORM_OF, ROUTER_KEEPS_NOTHING
+from regather.tools.estimate.config import (
+    ALL_STRATEGIES,
+    EXPERT_LORA,
+    PRESETS,
+    RECOMPUTE,
+    STRATEGIES,
+    VARIANTS,
+    AdapterInput,
+    Model,
+    Run,
+    check_run,
+    eligible_per_layer,
+    expert_lora,
+    layers_here,
+    producer_inputs_need_grad,
+    split_strategy,
+)
+from regather.tools.estimate.dense import adapter_inputs, dense_comm_changes
+from regather.tools.estimate.experts import (
+    expert_adapters_per_layer,
+    expert_comm_changes,
+    expert_fc1_source,
+    expert_inputs,
+    expert_layout,
+    local_tokens,
+    predispatch_comm,
+    redispatch_comm,
+    routed_rows,
+)
+from regather.tools.estimate.report import REFERENCE, as_json, format_report, reference_for
+from regather.tools.estimate.summary import (
+    adapter_input_bytes,
+    comm_changes,
+    estimate,
+    extra_comm_bytes,
+    recompute_summary,
+    saved_vs_gather,
+)
+
+__all__ = [
+    "ALL_STRATEGIES", "ALL_TARGETS", "EXPERT_LORA", "EXPERT_TARGETS", "NORM_OF", "PRESETS", "RECOMPUTE", "REFERENCE",
+    "ROUTER_KEEPS_NOTHING", "STRATEGIES", "VARIANTS", "AdapterInput", "Model", "Run", "adapter_input_bytes",
+    "adapter_inputs", "as_json", "check_run", "comm_changes", "dense_comm_changes", "eligible_per_layer", "estimate",
+    "expert_adapters_per_layer", "expert_comm_changes", "expert_fc1_source", "expert_inputs", "expert_layout",
+    "expert_lora", "extra_comm_bytes", "format_report", "layers_here", "local_tokens", "predispatch_comm",
+    "producer_inputs_need_grad", "recompute_summary", "redispatch_comm", "reference_for", "routed_rows",
+    "saved_vs_gather", "split_strategy",
+]

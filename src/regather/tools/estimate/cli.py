@@ -1,0 +1,104 @@
+"""``regather estimate``: LoRA-A input memory and extra communication, analytically.
+
+The command line: a preset (or custom sizes) and a run layout, a text report or ``--json``
+(:mod:`regather.tools.estimate.report`). The definitions are in :mod:`regather.tools.estimate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from regather.core.shapes import DTYPE_BYTES
+from regather.megatron.reasons import ALL_TARGETS, REPLAYED_DISPATCHERS
+from regather.tools.estimate.config import ALL_STRATEGIES, EXPERT_LORA, PRESETS, Model, Run
+
+# --flag -> ModelShape field, for the custom sizes (--experts is the count here)
+_SIZES = {"hidden": "hidden", "ffn": "ffn", "layers": "layers", "heads": "heads", "kv_heads": "kv_heads",
+          "head_dim": "head_dim", "experts": "num_experts", "moe_ffn": "moe_ffn", "topk": "topk"}
+
+
+def _targets(value: str) -> tuple:
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [n for n in names if n not in ALL_TARGETS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown targets {bad}; expected some of {', '.join(ALL_TARGETS)}")
+    return names
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "estimate", help="analytic LoRA-A input memory and extra communication per strategy",
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=sorted(PRESETS), default="qwen3-8b", help="preset (custom sizes override)")
+    for flag in ("hidden", "ffn", "layers", "heads", "kv-heads", "head-dim", "experts", "moe-ffn", "topk"):
+        p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--in-flight", type=int, default=1, help="micro-batches alive at once")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (layers per GPU = layers/pp)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
+    p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (MoE)")
+    p.add_argument("--expert-lora", choices=EXPERT_LORA, default="shared",
+                   help="shared: one LoRA pair for a layer's local experts (grouped experts, share_expert_adapters="
+                        "True, Bridge's default); per-expert: one per expert (SequentialMLP, or "
+                        "share_expert_adapters=False)")
+    p.add_argument("--redispatch-expert-inputs", dest="redispatch", action="store_true",
+                   help="LoRA(redispatch_expert_inputs=True): per-expert fc1 inputs are dispatched again in "
+                        "backward (with a -recompute strategy)")
+    p.add_argument("--dispatcher", choices=REPLAYED_DISPATCHERS, default="alltoall", help="moe_token_dispatcher_type")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+    p.add_argument("--grad-dtype", choices=sorted(DTYPE_BYTES), default=None,
+                   help="LoRA-A gradient dtype for lowrank's dA all-reduce (default: --dtype; "
+                        "float32 with gradient-accumulation fusion)")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--targets", type=_targets, default=",".join(ALL_TARGETS))
+    p.add_argument("--strategies", default=",".join(ALL_STRATEGIES),
+                   help="some of " + ", ".join(ALL_STRATEGIES) + " (-recompute: recompute_adapter_inputs=True)")
+    p.add_argument("--input-requires-grad", action="store_true",
+                   help="the decoder input requires grad (Bridge's maybe_enable_recompute_inputs_grad, HF's "
+                        "enable_input_require_grads): layer 0's linear_qkv recomputes too")
+    p.add_argument("--later-stage", dest="first_stage", action="store_false",
+                   help="this GPU is a later pipeline stage (its input comes from p2p and requires grad)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=main)
+
+
+def model_from_args(args) -> Model:
+    """The preset with the custom sizes given (its name marked ``(custom)``) and the dispatcher."""
+    model = PRESETS[args.model]
+    custom = {field: getattr(args, flag) for flag, field in _SIZES.items() if getattr(args, flag) is not None}
+    return replace(model, name=model.name + (" (custom)" if custom else ""), dispatcher=args.dispatcher, **custom)
+
+
+def run_from_args(args) -> Run:
+    targets = tuple(args.targets) if not isinstance(args.targets, str) else _targets(args.targets)
+    return Run(tp=args.tp, sp=args.sp, seq=args.seq, micro_batch=args.micro_batch, in_flight=args.in_flight,
+               pp=args.pp, dtype=args.dtype, grad_dtype=args.grad_dtype, lora_rank=args.lora_rank, targets=targets,
+               first_stage=args.first_stage, input_requires_grad=args.input_requires_grad, ep=args.ep, etp=args.etp,
+               share_expert_adapters=args.expert_lora == "shared", redispatch_expert_inputs=args.redispatch)
+
+
+def main(args) -> int:
+    import json
+
+    from regather.tools.estimate.report import as_json, format_report, reference_for
+    from regather.tools.estimate.summary import estimate
+
+    model, run = model_from_args(args), run_from_args(args)
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    unknown = [s for s in strategies if s not in ALL_STRATEGIES]
+    if unknown:
+        raise SystemExit(f"regather estimate: unknown strategies {unknown}; expected some of {ALL_STRATEGIES}")
+    try:
+        result = estimate(model, run, strategies)
+    except ValueError as exc:  # sizes that do not divide: say which
+        raise SystemExit(f"regather estimate: {exc}") from None
+    ref = reference_for(args.model, model, run)
+    if args.json:
+        print(json.dumps(as_json(model, run, result, ref), indent=1))
+    else:
+        print(format_report(model, run, result, ref))
+    return 0

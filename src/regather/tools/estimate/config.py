@@ -1,0 +1,178 @@
+"""What ``regather estimate`` is asked about: the model, the run, the strategies, and the layout checks.
+
+:class:`Model` and :class:`Run` are :mod:`regather.core.shapes`' shapes with what only estimate
+needs (a preset's name; the LoRA-A gradient dtype, the pipeline stage).
+
+Model presets (config.json of each model on the Hugging Face Hub, as
+recalled; check before relying on them): **Qwen3-8B** h=4096, ffn=12288, 36
+layers, 32 heads, 8 kv heads, head_dim 128, vocab 151936; **Qwen3-30B-A3B**
+h=2048, 48 layers all MoE, 32 heads, 4 kv heads, head_dim 128 (so attention is
+4096 wide, wider than h), 128 experts, moe ffn 768, top-8, no dense MLP and no
+shared expert; **GPT-OSS-120B** h=2880, 36 layers all MoE, 64 heads, 8 kv heads,
+head_dim 64, 128 experts, moe ffn 2880, top-4, vocab 201088; **Llama3-70B**
+h=8192, ffn=28672, 80 layers, 64 heads, 8 kv heads, head_dim 128, vocab 128256.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from regather.core.shapes import DTYPE_BYTES, ModelShape, RunShape, experts_share_lora
+from regather.megatron.reasons import ALL_TARGETS, ELIGIBLE_BASES, REPLAYED_DISPATCHERS
+
+STRATEGIES = ("gather", "regather", "lowrank")
+RECOMPUTE = "-recompute"  # suffix: LoRA(recompute_adapter_inputs=True) on that strategy
+VARIANTS = tuple(name + RECOMPUTE for name in STRATEGIES)
+ALL_STRATEGIES = STRATEGIES + VARIANTS
+EXPERT_LORA = ("shared", "per-expert")  # one LoRA pair for a layer's local experts, or one per expert
+
+
+@dataclass(frozen=True)
+class Model(ModelShape):
+    """A model estimate knows by name. Experts are grouped (``TEGroupedMLP``, as Bridge builds
+    these models) unless said otherwise, so that ``share_expert_adapters`` decides the sharing."""
+
+    experts: str = "grouped"
+    name: str = field(default="model", kw_only=True)
+
+
+PRESETS = {
+    "qwen3-8b": Model(name="Qwen3-8B", hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
+                      ffn=12288, vocab=151936),
+    "qwen3-30b-a3b": Model(name="Qwen3-30B-A3B", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, ffn=0,
+                           num_experts=128, moe_ffn=768, topk=8, vocab=151936),
+    "gpt-oss-120b": Model(name="GPT-OSS-120B", hidden=2880, layers=36, heads=64, kv_heads=8, head_dim=64, ffn=0,
+                          num_experts=128, moe_ffn=2880, topk=4, vocab=201088),
+    "llama3-70b": Model(name="Llama3-70B", hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128,
+                        ffn=28672, vocab=128256),
+}
+
+
+@dataclass(frozen=True)
+class Run(RunShape):
+    """One GPU's run as estimate models it (a dense model needs ep = etp = 1)."""
+
+    seq: int = 8192
+    micro_batch: int = 1
+    dtype: str = "bfloat16"
+    lora_rank: int = 16
+    targets: tuple = ALL_TARGETS
+    grad_dtype: str | None = None  # dtype of LoRA-A's gradient (default: dtype; fp32 with main_grad)
+    # this GPU holds the first layer: with frozen embeddings, its qkv input needs no
+    # gradient, so no path reduce-scatters that adapter's dX (lowrank removes one RS less),
+    # and with recompute_adapter_inputs its input_layernorm keeps nothing to recompute from.
+    # A later stage's input requires grad; input_requires_grad: layer 0 behaves like every other layer
+    first_stage: bool = True
+
+    @property
+    def e(self) -> int:
+        return self.dtype_bytes
+
+    @property
+    def eg(self) -> int:
+        return DTYPE_BYTES[self.grad_dtype or self.dtype]
+
+
+def expert_lora(model: Model, run: Run) -> str:
+    """``"shared"``: one LoRA pair for a MoE layer's local experts; ``"per-expert"``: one per expert."""
+    return "shared" if experts_share_lora(model, run) else "per-expert"
+
+
+def split_strategy(name: str) -> tuple[str, bool]:
+    """``"regather-recompute"`` -> ``("regather", True)``; ``"lowrank"`` -> ``("lowrank", False)``."""
+    base, recompute = (name[: -len(RECOMPUTE)], True) if name.endswith(RECOMPUTE) else (name, False)
+    if base not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; expected one of {ALL_STRATEGIES}")
+    return base, recompute
+
+
+def ring(nbytes: int, t: int) -> int:
+    """Bytes received per rank for a gather output / scatter input of ``nbytes`` (regather.core.accounting)."""
+    return nbytes * (t - 1) // t
+
+
+def check_run(model: Model, run: Run) -> None:
+    """A ``ValueError`` naming the values for a layout that cannot exist (sizes that do not divide)
+    or that estimate does not model."""
+    if run.sp and run.seq % run.tp:
+        raise ValueError(f"sequence {run.seq} is not divisible by TP {run.tp}")
+    if model.dispatcher not in REPLAYED_DISPATCHERS:
+        raise ValueError(f"dispatcher={model.dispatcher!r}: expected one of {REPLAYED_DISPATCHERS} (the flex "
+                         "dispatcher's route cannot be replayed)")
+    if run.ep < 1 or run.etp < 1:
+        raise ValueError(f"EP {run.ep} and expert TP {run.etp} must be at least 1")
+    if not model.moe:
+        if (run.ep, run.etp) != (1, 1):
+            raise ValueError(f"EP {run.ep} / expert TP {run.etp} on {model.name}, which has no experts")
+        return
+    if model.moe_layer_freq != 1 or model.shared_expert_ffn:
+        raise ValueError(f"moe_layer_freq={model.moe_layer_freq}, shared_expert_ffn={model.shared_expert_ffn}: "
+                         "estimate models every layer MoE and no shared expert")
+    if not 1 <= model.topk <= model.num_experts:
+        raise ValueError(f"top-{model.topk} routing over {model.num_experts} experts")
+    if model.num_experts % run.ep:
+        raise ValueError(f"{model.num_experts} experts do not split over EP {run.ep}")
+    if model.moe_ffn % run.etp:
+        raise ValueError(f"moe_ffn {model.moe_ffn} is not divisible by expert TP {run.etp}")
+    if "linear_fc1" in run.targets and run.lora_rank % run.etp:
+        raise ValueError(f"LoRA rank {run.lora_rank} is not divisible by expert TP {run.etp} (expert linear_fc1 "
+                         "is column-parallel: its LoRA-A is split by rows over expert TP)")
+    if run.tp > 1 and not run.sp:
+        raise ValueError(f"TP {run.tp} without sequence parallelism: megatron's MoELayer refuses to train "
+                         "a MoE model so")
+
+
+def layers_here(model: Model, run: Run) -> int:
+    if model.layers % run.pp:
+        raise ValueError(f"{model.layers} layers do not split into {run.pp} pipeline stages")
+    return model.layers // run.pp
+
+
+def eligible_per_layer(model: Model, run: Run) -> list[str]:
+    """Adapters that may keep only their shard (qkv, and fc1 of a dense MLP)."""
+    if not run.sp or run.tp <= 1:
+        return []
+    names = [n for n in ELIGIBLE_BASES if n in run.targets]
+    return [n for n in names if not (n == "linear_fc1" and model.moe)]
+
+
+def producer_inputs_need_grad(targets, layers: int, decoder_input_grad: bool) -> list[dict]:
+    """Per layer of this GPU: whether the producer of each recomputable adapter input has an
+    input that requires grad — the only case in which its autograd node keeps a tensor to
+    recompute from (base weights are frozen). ``decoder_input_grad``: the first layer's input
+    does (a later pipeline stage; or Bridge/HF make it require grad); otherwise the residual
+    stream starts requiring grad after the first trainable adapter.
+
+    ``linear_qkv``: ``input_layernorm``'s input (the residual stream); ``linear_fc1``:
+    ``pre_mlp_layernorm``'s input (the residual after attention: needs grad once qkv or proj
+    has an adapter) — in a MoE layer also whether the router's input (the norm's output) does;
+    ``linear_fc2``: fc1's output (needs grad when fc1 has an adapter too).
+    """
+    g, out = decoder_input_grad, []
+    for _ in range(layers):
+        row = {"linear_qkv": g}
+        g = g or "linear_qkv" in targets or "linear_proj" in targets
+        row["linear_fc1"] = g
+        row["linear_fc2"] = g or "linear_fc1" in targets
+        g = g or "linear_fc1" in targets or "linear_fc2" in targets
+        out.append(row)
+    return out
+
+
+def needs_grad(model: Model, run: Run) -> list[dict]:
+    """:func:`producer_inputs_need_grad` for the layers of this GPU."""
+    return producer_inputs_need_grad(run.targets, layers_here(model, run),
+                                     run.input_requires_grad or not run.first_stage)
+
+
+@dataclass(frozen=True)
+class AdapterInput:
+    """One adapter's input for LoRA-A's gradient: the bytes it adds (0 when recomputed) and,
+    with recompute asked, the producer it is rebuilt from or why it is kept. An expert row
+    stands for the ``adapters`` of one MoE layer that read the same routed rows."""
+
+    target: str
+    kept_bytes: int  # per micro-batch
+    recomputed_from: str | None = None
+    kept_because: str | None = None
+    adapters: int = 1

@@ -1,0 +1,121 @@
+"""``regather estimate``'s output: the text report, the JSON document, and the reference's measurements."""
+
+from __future__ import annotations
+
+from regather.megatron.reasons import EXPERT_TARGETS
+from regather.tools.estimate.config import Model, Run, eligible_per_layer, expert_lora, layers_here
+from regather.tools.estimate.experts import expert_layout
+
+# The reference's measured peak-memory drops with sequence_parallel_input_regather=True
+# (/work/shared/reference: Qwen3-8B TP2 seq 8192; the MoE rows state TP and EP, not their
+# sequence length: 8192 here, as the issue asks), in bytes.
+REFERENCE = {
+    "qwen3-8b": {"tp": 2, "ep": 1, "seq": 8192, "seq_stated": True, "saved": 4_731_000_000,
+                 "note": "TP2, seq 8192"},
+    "qwen3-30b-a3b": {"tp": 4, "ep": 4, "seq": 8192, "seq_stated": False, "saved": 1_569_000_000,
+                      "note": "TP4/EP4, seq not stated"},
+    "gpt-oss-120b": {"tp": 2, "ep": 8, "seq": 8192, "seq_stated": False, "saved": 814_000_000,
+                     "note": "TP2/EP8, seq not stated"},
+}
+
+
+def reference_for(preset: str, model: Model, run: Run) -> dict | None:
+    """The reference's measurement for ``preset`` when this run has its layout (TP and EP; the
+    sequence length too where the reference states it), else None (and for custom sizes)."""
+    ref = REFERENCE.get(preset)
+    if ref is None or model.name.endswith("(custom)") or (ref["tp"], ref["ep"]) != (run.tp, run.ep):
+        return None
+    if ref["seq_stated"] and ref["seq"] != run.seq:
+        return None
+    return ref
+
+
+def model_json(model: Model) -> dict:
+    """The ``"model"`` entry of ``--json`` (its keys are the output format: ``experts`` is the count)."""
+    return {"name": model.name, "hidden": model.hidden, "layers": model.layers, "heads": model.heads,
+            "kv_heads": model.kv_heads, "head_dim": model.head_dim, "ffn": model.ffn, "experts": model.num_experts,
+            "moe_ffn": model.moe_ffn, "topk": model.topk, "vocab": model.vocab}
+
+
+def run_json(model: Model, run: Run) -> dict:
+    """The ``"run"`` entry of ``--json`` (the dispatcher is the model's; the expert LoRA follows from both)."""
+    return {"tp": run.tp, "sp": run.sp, "seq": run.seq, "micro_batch": run.micro_batch, "in_flight": run.in_flight,
+            "pp": run.pp, "dtype": run.dtype, "grad_dtype": run.grad_dtype, "lora_rank": run.lora_rank,
+            "targets": list(run.targets), "first_stage": run.first_stage,
+            "input_requires_grad": run.input_requires_grad, "ep": run.ep, "etp": run.etp,
+            "expert_lora": expert_lora(model, run), "redispatch": run.redispatch_expert_inputs,
+            "dispatcher": model.dispatcher}
+
+
+def as_json(model: Model, run: Run, result: dict, reference: dict | None = None) -> dict:
+    return {"model": model_json(model), "run": run_json(model, run), "experts": expert_layout(model, run),
+            "strategies": result, "reference_saved": reference}
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB ({n / 2**30:.3f} GiB)"
+
+
+def _short(reason: str) -> str:
+    return reason.split(" (", 1)[0]
+
+
+def _expert_lines(model: Model, run: Run) -> list[str]:
+    layout = expert_layout(model, run)
+    if not layout:
+        return []
+    adapters = ", ".join(f"{k.split('.')[1]} {v}" for k, v in layout["adapters_per_layer"].items()) or "none"
+    return [f"experts: EP={run.ep} ETP={run.etp} {model.dispatcher} dispatcher, {layout['local_experts']} local "
+            f"experts per layer, LoRA {expert_lora(model, run)} (adapters per layer: {adapters})"
+            + (", redispatch_expert_inputs" if run.redispatch_expert_inputs else ""),
+            f"routed rows per GPU, layer and micro-batch: R = T*k*etp = {layout['local_tokens']}*{model.topk}*"
+            f"{run.etp} = {layout['routed_rows']} (mean over the EP x ETP group; exact for dropless routing)"]
+
+
+def format_report(model: Model, run: Run, result: dict, reference: dict | None = None) -> str:
+    eligible = eligible_per_layer(model, run)
+    lines = [
+        f"{model.name}: h={model.hidden}, {model.layers} layers ({layers_here(model, run)} on this GPU), "
+        f"{model.heads} heads / {model.kv_heads or model.heads} kv, "
+        + (f"{model.num_experts} experts x {model.moe_ffn} top-{model.topk}" if model.moe else f"ffn {model.ffn}"),
+        f"run: TP={run.tp} SP={'on' if run.sp else 'off'} seq={run.seq} micro-batch={run.micro_batch} "
+        f"in-flight={run.in_flight} PP={run.pp} {run.dtype} LoRA r={run.lora_rank} on {', '.join(run.targets)}",
+        *_expert_lines(model, run),
+        f"re-gather-eligible adapters per layer: {', '.join(eligible) or 'none'}",
+        "decoder input: " + ("requires grad" if run.input_requires_grad else
+                             "a later pipeline stage's (requires grad)" if not run.first_stage else
+                             "frozen embeddings (needs no grad; --input-requires-grad: as with Bridge's "
+                             "maybe_enable_recompute_inputs_grad / HF's enable_input_require_grads)"),
+    ]
+    if reference:
+        lines.append(f"reference measured (peak-memory drop, sequence_parallel_input_regather=True, "
+                     f"{reference['note']}): {gb(reference['saved'])}")
+    lines.append("")
+    for name, row in result.items():
+        lines.append(f"[{name}]")
+        lines.append(f"  adapter-input bytes per GPU : {gb(row['adapter_input_bytes'])}")
+        experts = {k: v for k, v in row["adapter_input_by_target"].items() if k in EXPERT_TARGETS}
+        if experts:
+            parts = ", ".join(f"{k.split('.')[1]} {v / 1e9:.3f} GB" for k, v in experts.items())
+            lines.append(f"    of which expert adapters  : {gb(sum(experts.values()))}: {parts}")
+        lines.append(f"  saved vs gather             : {gb(row['saved_vs_gather'])}")
+        if "saved_vs_gather_frozen_input" in row:
+            frozen, grad = row["saved_vs_gather_frozen_input"], row["saved_vs_gather_input_requires_grad"]
+            if frozen != grad:
+                this = "input requires grad" if row["saved_vs_gather"] == grad else "frozen embeddings"
+                lines.append(f"    frozen embeddings        : {gb(frozen)}"
+                             f"{'  <- this run' if this == 'frozen embeddings' else ''}")
+                lines.append(f"    input requires grad      : {gb(grad)}"
+                             f"{'  <- this run' if this != 'frozen embeddings' else ''}")
+            done = ", ".join(f"{k} {v}" for k, v in row["recomputed_by_target"].items()) or "none"
+            lines.append(f"  inputs recomputed           : {done}")
+            for why, n in row["kept_by_reason"].items():
+                lines.append(f"    kept: {n} x {_short(why)}")
+        comm = row["extra_comm_bytes"]
+        if comm:
+            kinds = ", ".join(f"{k} {v / 2**20:+,.1f} MiB" for k, v in comm.items())
+            lines.append(f"  extra comm per micro-batch  : {row['extra_comm_total'] / 2**20:+,.1f} MiB net ({kinds});"
+                         f" new collectives {row['added_comm_bytes'] / 2**20:,.1f} MiB")
+        else:
+            lines.append("  extra comm per micro-batch  : 0")
+    return "\n".join(lines)
