@@ -68,11 +68,9 @@ def fill_adapters(model, rank: int) -> list[str]:
 
 
 def saved_bytes_class():
-    """``SavedBytes`` from wherever the house move put it (regather.core.accounting after it)."""
-    try:
-        from regather.core.accounting import SavedBytes
-    except ImportError:
-        from regather.accounting import SavedBytes
+    """``SavedBytes`` (regather.core.accounting: where bytes are counted)."""
+    from regather.core.accounting import SavedBytes
+
     return SavedBytes
 
 

@@ -45,7 +45,7 @@ touches what the PEFT code computes; each one only gets an import through:
 
 The re-gather path itself (``LoRA(sequence_parallel_input_regather=True)``,
 megatron's sequence-parallel linear for LoRA-A) needs nothing beyond
-:func:`regather.testing.enable_megatron_cpu` (design.md §6, §8).
+:func:`regather.testing.enable_megatron_cpu` (docs/design.md §6, §8).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Run megatron-core's tensor + sequence parallel GPT on CPU ranks (gloo).
 
 megatron-core assumes CUDA in three places that matter for a small TP+SP GPT
-(design.md §6). :func:`enable_megatron_cpu` patches them at run time:
+(docs/design.md §6). :func:`enable_megatron_cpu` patches them at run time:
 
 1. ``torch.cuda.current_device()`` returns ``"cpu"``: megatron allocates its
    communication outputs and scratch buffers with ``device=current_device()``.

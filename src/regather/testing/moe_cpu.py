@@ -1,7 +1,7 @@
 """Run megatron-core's MoE layers and token dispatchers on CPU ranks (gloo); tests only.
 
-Beside :func:`regather.testing.enable_megatron_cpu` (design.md §6), megatron's MoE code
-needs three more run-time shims on a machine without CUDA (design.md §9, measured on both
+Beside :func:`regather.testing.enable_megatron_cpu` (docs/design.md §6), megatron's MoE code
+needs three more run-time shims on a machine without CUDA (docs/design.md §9, measured on both
 pinned versions). Neither changes what a layer computes:
 
 1. **The alltoall dispatcher's device-to-host copies.** ``MoEAlltoAllTokenDispatcher``

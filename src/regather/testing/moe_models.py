@@ -13,7 +13,7 @@ own spec builders:
                ``get_moe_module_spec_for_backend``)                  fake_te_grouped` stand-ins
 ============== ===================================================== ============================
 
-Layouts differ in how megatron initialises experts (per EP rank, design.md §9), so a
+Layouts differ in how megatron initialises experts (per EP rank, docs/design.md §9), so a
 cross-layout comparison loads the *same full weights* into each layout:
 :func:`full_weights` makes one tensor per global parameter name from the name alone, and
 :class:`GlobalLayout` maps every local parameter to its global name and slice (TP over the

@@ -5,7 +5,7 @@ world ``max(tp, ep * etp)``; DP = world / tp takes its own rows of each global b
 gradients as megatron's DDP does). One model per variant (:func:`variant_options`), each built
 by :func:`regather.testing.moe_models.build_moe_gpt` and loaded with the same full weights
 (:class:`~regather.testing.moe_models.GlobalLayout` + ``full_weights``: megatron initialises
-experts per EP rank, design.md §9), so every variant starts from identical weights and sees
+experts per EP rank, docs/design.md §9), so every variant starts from identical weights and sees
 the same batches. Step ``i`` runs each variant once, in an order rotated by ``i`` (as
 :func:`regather.testing.train.compare_strategies`), after a barrier.
 
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from regather.megatron.lora import DEFAULT_TARGETS
+from regather.megatron.moe.inputs import expert_inputs_of
 from regather.testing.moe_models import TinyMoE
 
 REDISPATCH = "-recompute-redispatch"
@@ -251,8 +252,8 @@ def compare_moe(rank: int, world_size: int, run: MoERun, variants: Sequence[str]
                                          grad_gap(last_grads[name], last_grads[other])))
                          for other in parity.get(name, ())}
         res["decisions"] = {path: str(a.last_decision) for path, a in adapters(models[name]).items()}
-        res["resends"] = {n: dict(m._regather_expert_inputs.resends) for n, m in models[name].named_modules()
-                          if getattr(m, "_regather_expert_inputs", None) is not None}
+        res["resends"] = {n: dict(expert_inputs_of(m).resends) for n, m in models[name].named_modules()
+                          if expert_inputs_of(m) is not None}
         res["coords"] = {"tp": ps.get_tensor_model_parallel_rank(), "ep": ps.get_expert_model_parallel_rank(),
                          "etp": ps.get_expert_tensor_parallel_rank(), "dp": ps.get_data_parallel_rank()}
     return out

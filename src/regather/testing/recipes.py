@@ -44,7 +44,7 @@ there, each shim with its reason (measured with torch 2.13.0+cu130 on CPU, 2026-
    ``local_layer_spec``) and grouped-GEMM experts (``moe_grouped_gemm=False``: megatron's
    ``SequentialMLP``).
    Plus megatron-core's CPU shims (:func:`regather.testing.megatron_cpu.enable_megatron_cpu`,
-   :func:`regather.testing.moe_cpu.enable_moe_cpu`; design.md §6, §9).
+   :func:`regather.testing.moe_cpu.enable_moe_cpu`; docs/design.md §6, §9).
 
 ``finetune()`` itself cannot run on CPU (``initialize_megatron`` asserts CUDA, the dataset
 helpers are compiled with ``make``, ``training/setup.py`` makes CUDA tensors): the tests take

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from regather.megatron.moe.inputs import expert_inputs_of
 from regather.testing.moe_models import GlobalLayout, TinyMoE, build_moe_gpt, full_weights
 from regather.testing.moe_train import record_routed, reduce_like_ddp
 
@@ -219,8 +220,8 @@ def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> di
         out["adapter_dims"] = {p: a.dim for p, a in adapters(model).items()}
         out["allreduce"] = {n: getattr(p, "allreduce", True) for n, p in named.items()}
         out["routed"] = routed
-        out["resends"] = {n: {k: v for k, v in m._regather_expert_inputs.resends.items() if not k.endswith("_s")}
-                          for n, m in model.named_modules() if getattr(m, "_regather_expert_inputs", None) is not None}
+        out["resends"] = {n: {k: v for k, v in expert_inputs_of(m).resends.items() if not k.endswith("_s")}
+                          for n, m in model.named_modules() if expert_inputs_of(m) is not None}
         out["ep_rank"], out["etp_rank"] = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
         out["tp_rank"], out["dp_rank"] = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
         out["param_names"] = sorted(n for n, _ in model.named_parameters())

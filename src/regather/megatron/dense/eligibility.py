@@ -1,4 +1,4 @@
-"""When may a LoRA-A skip keeping its gathered input? (design.md §5)
+"""When may a LoRA-A skip keeping its gathered input? (docs/design.md §5)
 
 :func:`unsupported_reason` returns ``None`` when the sequence-local strategies
 (regather, and later lowrank) may run, otherwise the *first* rule that fails,
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from regather.megatron.reasons import ELIGIBLE_BASES, EXPERT_REASON, IN_CHECKPOINT
+from regather.megatron.reasons import CPU_OFFLOADING, ELIGIBLE_BASES, EXPERT_REASON, IN_CHECKPOINT
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def unsupported_reason(facts: AdapterFacts, config: Any, state: RunState) -> str
     if facts.activation != "identity":
         return f"adapter activation is {facts.activation!r}, not 'identity'"
     if getattr(config, "cpu_offloading", False) and getattr(config, "cpu_offloading_activations", True):
-        return "CPU activation offloading is on (cpu_offloading=True)"
+        return CPU_OFFLOADING
     if getattr(config, "fine_grained_activation_offloading", False):
         return "fine-grained activation offloading is on"
     if facts.base_name not in ELIGIBLE_BASES:

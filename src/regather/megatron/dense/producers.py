@@ -59,6 +59,7 @@ from torch import nn
 from regather.core.recompute.graph import Meta, kept_between, modified_in_place, reason_now, same_tensor
 from regather.core.recompute.producers import Captured, HookedProducer, NormProducer
 from regather.megatron.dense import te
+from regather.megatron.reasons import CPU_OFFLOADING, layernorm_recomputed, no_recomputable_producer
 
 _NORM_CLASSES = ("LayerNorm", "RMSNorm", "FusedLayerNorm", "L2Norm")
 
@@ -74,7 +75,7 @@ class MegatronNormProducer(NormProducer):
     def static_reason(self) -> str | None:
         modules = getattr(self.config, "recompute_modules", None) or []
         if getattr(self.config, "recompute_granularity", None) == "selective" and "layernorm" in modules:
-            return f"selective recompute covers 'layernorm' (recompute_modules={list(modules)})"
+            return layernorm_recomputed(modules)
         return None
 
 
@@ -142,7 +143,7 @@ class ActivationProducer:
         if getattr(cfg, "activation_func_fp8_input_store", False):
             return "the activation stores its input in fp8 (activation_func_fp8_input_store=True)"
         if getattr(cfg, "cpu_offloading", False) and getattr(cfg, "cpu_offloading_activations", True):
-            return "CPU activation offloading is on (cpu_offloading=True)"
+            return CPU_OFFLOADING
         if getattr(cfg, "bias_activation_fusion", False) and not getattr(cfg, "use_te_activation_func", False):
             fn, gated = self.mlp.activation_func, getattr(cfg, "gated_linear_unit", False)
             if not (fn is F.gelu or (fn is F.silu and gated)):
@@ -310,7 +311,7 @@ def find_producer(model: nn.Module, path: str, wrapper: nn.Module):
         producer = ActivationProducer(parent)
         return producer.static_reason() or producer
     else:
-        return f"{name} has no recomputable producer (only linear_qkv, linear_fc1 and linear_fc2 do)"
+        return no_recomputable_producer(name)
     if not own_forward(parent, owner):
         return f"{name}'s parent is a {type(parent).__name__}, not megatron's {owner.__name__} running its own forward"
     if grand is None or not own_forward(grand, TransformerLayer) or getattr(grand, holder, None) is not parent:

@@ -56,7 +56,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from regather.core.decision import Reason
 from regather.core.recompute.graph import Meta, global_hooks_reason, kept_between
 from regather.megatron.moe import dispatch
-from regather.megatron.reasons import IN_CHECKPOINT, PREDISPATCH, REDISPATCH, REDISPATCH_OPT_IN, ROUTE_NOT_REPRODUCED
+from regather.megatron.reasons import (
+    CPU_OFFLOADING,
+    IN_CHECKPOINT,
+    PREDISPATCH,
+    REDISPATCH,
+    REDISPATCH_OPT_IN,
+    ROUTE_NOT_REPRODUCED,
+)
 
 
 def static_reason(moe: nn.Module) -> str | None:
@@ -83,7 +90,7 @@ def static_reason(moe: nn.Module) -> str | None:
     if getattr(experts, "offload_expert_fc1", False):
         return "the experts' fc1 input is offloaded (fine-grained activation offloading of 'expert_fc1')"
     if getattr(cfg, "cpu_offloading", False) and getattr(cfg, "cpu_offloading_activations", True):
-        return "CPU activation offloading is on (cpu_offloading=True)"
+        return CPU_OFFLOADING
     if getattr(experts, "_with_fused_impl", False):
         return "TE's fused grouped MLP runs linear_fc1 inside one op"
     return None
@@ -367,8 +374,16 @@ def expert_producer(model: nn.Module, path: str, adapter) -> ExpertInputProducer
     moe = moe_layer_of(model, path)
     if moe is None:
         return f"{path} is not inside a megatron MoELayer running its own forward"
-    inputs = getattr(moe, "_regather_expert_inputs", None)
+    inputs = expert_inputs_of(moe)
     if inputs is None:
         inputs = ExpertInputs(moe)
-        moe._regather_expert_inputs = inputs
+        setattr(moe, _ATTR, inputs)
     return ExpertInputProducer(inputs, shared)
+
+
+_ATTR = "_regather_expert_inputs"  # where a MoE layer holds its ExpertInputs
+
+
+def expert_inputs_of(moe: nn.Module) -> ExpertInputs | None:
+    """The :class:`ExpertInputs` hooked on a MoE layer (its re-dispatch counts: ``.resends``), if any."""
+    return getattr(moe, _ATTR, None)

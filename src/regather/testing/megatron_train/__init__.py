@@ -16,7 +16,7 @@ actually read.
 One module per thing it builds:
 
 - :mod:`.cpu`   — :func:`enable_megatron_training_cpu`: the run-time patches this needs on a machine
-  without CUDA (design.md §8), on top of :func:`regather.testing.enable_megatron_cpu` (§6)
+  without CUDA (docs/design.md §8), on top of :func:`regather.testing.enable_megatron_cpu` (§6)
 - :mod:`.spec`  — :class:`TrainSpec` (strategy, topology, megatron options, sizes), :data:`STRATEGIES`
 - :mod:`.build` — parallel state, model chunks with LoRA, DDP, optimizer, Megatron-LM's hooks;
   :func:`train`, :func:`train_agreed`
@@ -24,7 +24,7 @@ One module per thing it builds:
 
 Facts this harness relies on (megatron-core 0.16.1 and 0.19.2, gloo):
 gloo's batched ``isend/irecv`` mixed up tensors with a virtual pipeline, so
-``batch_p2p_comm`` is off there (design.md §8); megatron's DDP turns bucketing off
+``batch_p2p_comm`` is off there (docs/design.md §8); megatron's DDP turns bucketing off
 on pipeline stages > 0 and for model chunks > 0 (as Megatron-LM asks).
 """
 

@@ -1,4 +1,4 @@
-"""The run-time patches megatron-core's training machinery needs on a machine without CUDA (design.md §8).
+"""The run-time patches megatron-core's training machinery needs on a machine without CUDA (docs/design.md §8).
 
 :func:`enable_megatron_training_cpu` applies them on top of
 :func:`regather.testing.enable_megatron_cpu` (§6). Each patch is idempotent,

@@ -1,4 +1,4 @@
-"""``regather bench``: measure the strategies on a real megatron-core GPT (design.md §7).
+"""``regather bench``: measure the strategies on a real megatron-core GPT (docs/design.md §7).
 
 - :mod:`~regather.tools.bench.runner` — spawn ranks, run every strategy side by side, summarise
 - :mod:`~regather.tools.bench.report` — terminal table, markdown, JSON and PNG chart

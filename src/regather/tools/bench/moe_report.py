@@ -212,7 +212,7 @@ def markdown(summary: dict) -> str:
     lines += _md(*time_rows(summary))
     lines += [""] + [f"- {n}" for n in notes(summary)] + [
         "",
-        "Definitions (design.md §7): *LoRA-A inputs* and *retained* = unique storages autograd saved in the",
+        "Definitions (docs/design.md §7): *LoRA-A inputs* and *retained* = unique storages autograd saved in the",
         "first forward (parameters excluded), by adapter kind (every layer's adapters of that kind summed),",
         "mean over the ranks: expert rows depend on each rank's routing, their mean over the expert-parallel",
         "group does not; *comm* = bytes received per rank in one step under ring algorithms, every collective",

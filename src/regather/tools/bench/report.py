@@ -195,7 +195,7 @@ def markdown(summary: dict) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in rows(summary)]
     lines += [
         "",
-        "Definitions (design.md §7): *retained* = unique storages autograd saved for backward at the end of",
+        "Definitions (docs/design.md §7): *retained* = unique storages autograd saved for backward at the end of",
         "the first forward (parameters excluded), *adapter-input* = the part LoRA-A saved; *comm* = bytes",
         "received per rank in one training step under ring algorithms, all collectives including",
         "megatron-core's own; step times are the slowest rank's, medians after warm-up, with the ratio",

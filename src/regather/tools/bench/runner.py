@@ -70,7 +70,7 @@ def _use_nccl(rank: int, world_size: int, init_file: str):
 
     from regather.testing.megatron_cpu import patch_torch_norm
 
-    patch_torch_norm()  # without apex/TE the local spec's torch norm refuses SP (design.md §6)
+    patch_torch_norm()  # without apex/TE the local spec's torch norm refuses SP (docs/design.md §6)
     torch.cuda.set_device(rank)
     dist.destroy_process_group()
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,

@@ -1,6 +1,6 @@
 """``regather estimate``: LoRA-A input memory and extra communication, analytically.
 
-Same definitions as ``regather bench`` (design.md §7), so the two agree byte
+Same definitions as ``regather bench`` (docs/design.md §7), so the two agree byte
 for byte on the configurations bench can run (``tests/tools/test_bench.py``,
 every strategy and ``-recompute`` variant, frozen and grad-requiring decoder input):
 
@@ -33,7 +33,7 @@ is not counted, as for every strategy.
 
 Assumptions: SP layout ``[s, b, h]`` sharded over ``s``; LoRA on the linears
 named in ``--targets``; in MoE layers ``linear_fc1``/``linear_fc2`` are the
-experts' (they never re-gather, design.md §5), routing is dropless (no capacity
+experts' (they never re-gather, docs/design.md §5), routing is dropless (no capacity
 drop-and-pad), the dispatcher is megatron's alltoall or allgather one, and expert
 bytes are the EP x ETP group's mean (:mod:`.experts`); pipeline stages hold ``layers/pp``
 layers; router, attention internals, allocator and workspace memory are not

@@ -25,7 +25,7 @@ from regather.core.recompute.sources import KEEP, Recomputed
 from regather.core.strategies import Strategy
 from regather.core.strategies.paths import lookup
 from regather.megatron.dense.eligibility import RunState, checkpointed_by_config, unsupported_reason
-from regather.megatron.reasons import EXPERT_INPUT_KEPT, IN_CHECKPOINT
+from regather.megatron.reasons import EXPERT_INPUT_KEPT, IN_CHECKPOINT, kept_as_is
 
 # Fallbacks logged at INFO: those that depend on the moment (mode, autograd state) and those
 # the feature excludes by design (row-parallel, other bases, experts). Everything else may
@@ -82,8 +82,7 @@ class AdapterDecisions:
             # expert fc1: from the router's input (regather.megatron.moe.inputs), when a producer was found
             return (self.producer_reason if self.facts.is_expert else None) or EXPERT_INPUT_KEPT
         if not path.recomputes and path.name != "dispatched":
-            return (f"the {path.name} path keeps its input as it is (recompute of a column-parallel "
-                    f"adapter's input needs regather or lowrank)")
+            return kept_as_is(path.name)
         if state.in_recompute:
             return IN_CHECKPOINT
         if self.dropout is not None and self.dropout_position == "pre":
