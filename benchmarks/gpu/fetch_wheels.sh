@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download, on a machine with network, the wheels the GPU machine needs: it has Python 3.12,
-# torch 2.11 and triton 3.6 but no megatron-core and no network (design.md §6).
+# torch 2.11 and triton 3.6 but no megatron-core and no network (docs/design.md §6).
 #
 #   benchmarks/gpu/fetch_wheels.sh [DIR]        # default DIR: benchmarks/gpu/wheels (git-ignored)
 #

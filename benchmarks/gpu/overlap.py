@@ -7,7 +7,7 @@ is the stream mechanics regather relies on: the gather is issued through
 on the dedicated ``regather.core.comm.comm_stream``, after a ``wait_stream`` on the
 compute stream, and the compute stream waits on its event only right before
 LoRA-A's weight gradient. Meanwhile the compute stream runs the backward's
-dgrad GEMMs in the early-regather order (design.md §4)::
+dgrad GEMMs in the early-regather order (docs/design.md §4)::
 
     comm stream     [ gather x_local -> x_full (scratch) .................. ]
     compute stream  [ B dgrad ][ A dgrad ][ base dgrad (big) ] wait [ dA (wgrad_accumulate_) ]
