@@ -1,4 +1,4 @@
-"""Where bytes are counted: saved activations and collective traffic (design.md §7).
+"""Where bytes are counted: saved activations and collective traffic (docs/design.md §7).
 
 - :class:`SavedBytes` — a ``saved_tensors_hooks`` context: the unique storages
   autograd saves for backward during the forward it wraps (parameters
@@ -120,27 +120,41 @@ class SavedBytes:
                    if label_ == name or label_.startswith(name + ":"))
 
 
+def _arg(args, kwargs, pos: int, name: str):
+    """Argument ``name`` of a call, given by position ``pos`` or by keyword (FSDP2 passes
+    ``output=`` / ``input=``)."""
+    return kwargs[name] if name in kwargs else (args[pos] if len(args) > pos else None)
+
+
 def _group_size(kwargs, args, pos) -> int:
-    group = kwargs.get("group", args[pos] if len(args) > pos else None)
-    return dist.get_world_size(group)
+    return dist.get_world_size(_arg(args, kwargs, pos, "group"))
 
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _ring(pos: int, name: str, group_pos: int, factor: int = 1):
+    """bytes received per rank: ``factor * bytes(argument) * (t-1)/t``."""
+    def size(a, k):
+        x, t = _arg(a, k, pos, name), _group_size(k, a, group_pos)
+        n = sum(_bytes(y) for y in x) if isinstance(x, (list, tuple)) else _bytes(x)
+        return factor * n * (t - 1) // t
+    return size
+
+
 # name -> (kind, function(args, kwargs) -> bytes received per rank)
 _COUNTED = {
-    "all_gather_single": ("all_gather", lambda a, k: _bytes(a[0]) * (_group_size(k, a, 2) - 1) // _group_size(k, a, 2)),
-    "reduce_scatter_single": ("reduce_scatter", lambda a, k: _bytes(a[1]) * (_group_size(k, a, 3) - 1) // _group_size(k, a, 3)),
-    "all_gather_into_tensor": ("all_gather", lambda a, k: _bytes(a[0]) * (_group_size(k, a, 2) - 1) // _group_size(k, a, 2)),
-    "_all_gather_base": ("all_gather", lambda a, k: _bytes(a[0]) * (_group_size(k, a, 2) - 1) // _group_size(k, a, 2)),
-    "all_gather": ("all_gather", lambda a, k: sum(_bytes(x) for x in a[0]) * (_group_size(k, a, 2) - 1) // _group_size(k, a, 2)),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: _bytes(a[1]) * (_group_size(k, a, 3) - 1) // _group_size(k, a, 3)),
-    "_reduce_scatter_base": ("reduce_scatter", lambda a, k: _bytes(a[1]) * (_group_size(k, a, 3) - 1) // _group_size(k, a, 3)),
-    "all_reduce": ("all_reduce", lambda a, k: 2 * _bytes(a[0]) * (_group_size(k, a, 2) - 1) // _group_size(k, a, 2)),
-    "broadcast": ("broadcast", lambda a, k: _bytes(a[0])),
-    "all_to_all_single": ("all_to_all", lambda a, k: _bytes(a[0]) * (_group_size(k, a, 4) - 1) // _group_size(k, a, 4)),
+    "all_gather_single": ("all_gather", _ring(0, "output_tensor", 2)),
+    "reduce_scatter_single": ("reduce_scatter", _ring(1, "input", 3)),
+    "all_gather_into_tensor": ("all_gather", _ring(0, "output_tensor", 2)),
+    "_all_gather_base": ("all_gather", _ring(0, "output_tensor", 2)),
+    "all_gather": ("all_gather", _ring(0, "tensor_list", 2)),
+    "reduce_scatter_tensor": ("reduce_scatter", _ring(1, "input", 3)),
+    "_reduce_scatter_base": ("reduce_scatter", _ring(1, "input", 3)),
+    "all_reduce": ("all_reduce", _ring(0, "tensor", 2, factor=2)),
+    "broadcast": ("broadcast", lambda a, k: _bytes(_arg(a, k, 0, "tensor"))),
+    "all_to_all_single": ("all_to_all", _ring(0, "output", 4)),
 }
 
 
