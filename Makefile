@@ -25,6 +25,9 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	# replacing it with another build from the index (a CUDA wheel of several GB).
 	echo '$(TORCH_PIN)' > $(VENV)/constraints.txt
 	$(PIP) install -q -c $(VENV)/constraints.txt -r requirements-dev.txt
+	# torchtitan (tests/torchtitan): its own pins without its declared dependencies (datasets, tensorboard,
+	# wandb, ...: not imported by what the tests run); tyro & co. come from requirements-dev.txt.
+	$(PIP) install -q --no-deps -c $(VENV)/constraints.txt torchtitan==0.3.0 spmd_types==0.2.3
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -1,0 +1,27 @@
+"""The PyTorch-native front end: regather for torchtitan's LoRA under tensor + sequence parallelism.
+
+torchtitan's LoRA (``torchtitan.components.lora``) keeps, for each column-parallel adapter, the
+input all-gathered over the sequence (``[b, s, h]``) for LoRA-A's gradient. regather keeps the
+sequence shard instead and gathers it again in backward (or computes LoRA-A on the shard:
+lowrank), bit-identical to torchtitan's LoRA for gather and regather; with
+``recompute_adapter_inputs`` LoRA adds only its rank-r tensors over the frozen model.
+
+- :class:`LoRAConverter` — drop-in for torchtitan's ``LoRAConverter`` in the ``converters=``
+  list of a model registry (``model_registry("8B", converters=[LoRAConverter.Config(...)])``)
+- :func:`apply_lora` — the same for a model parallelized by hand with
+  ``torch.distributed.tensor.parallel``
+- :func:`adapters`, :func:`decisions`, :func:`set_strategy` — the adapters of a model, what each
+  decided and why (``regather.decisions`` is the Megatron front end's), a strategy switch
+
+Modules: :mod:`.converter`, :mod:`.hand` (entry points); :mod:`.model` (attach, decisions);
+:mod:`.adapter` (the LoRA-A paths and the DTensor boundary); :mod:`.pairing` (where the gathered
+input is recorded, the early-regather anchor), :mod:`.producers` (recompute); :mod:`.layout`,
+:mod:`.runstate`, :mod:`.options`, :mod:`.reasons`. Imports torch, torchtitan and
+:mod:`regather.core` only (docs/torchtitan.md, docs/design.md §12).
+"""
+
+from regather.torchtitan.converter import LoRAConverter
+from regather.torchtitan.hand import apply_lora
+from regather.torchtitan.model import adapters, decisions, set_strategy
+
+__all__ = ["LoRAConverter", "adapters", "apply_lora", "decisions", "set_strategy"]

@@ -1,0 +1,255 @@
+"""torchtitan's ``LoRALinear`` with LoRA-A run through regather's paths.
+
+A regather adapter *is* torchtitan's LoRA class for its base (``_get_lora_cls(Linear)``: the same
+``__init__``, children ``lora_a`` / ``lora_b``, initialisation, TP placements and parameter names)
+with one method more: LoRA-A. Its forward is torchtitan's::
+
+    out = base(x) + (alpha / rank) * lora_b(LoRA-A(x))
+
+and LoRA-A, decided on every forward (:class:`~regather.core.decision.Decision`):
+
+============ ========================================== ========================================
+path         computes                                   saves for ``dA`` / sends
+============ ========================================== ========================================
+gather       ``lora_a(x)``: torchtitan's own module     the gathered ``x [b, s, h]`` (torchtitan)
+regather     ``mid = x_full A^T`` on the gathered input ``x_shard [b, s/t, h]`` (or what its norm
+             the base reads; ``dX_full`` (TP-partial)   keeps); backward all-gathers it again
+             joins the base's and is reduce-scattered   (early: started by the output gradient,
+             once by the site's redistribution          shared by the adapters on one shard,
+                                                        ``dA`` after the site's dgrad)
+lowrank      ``mid = all_gather_s(x_shard A^T)``        ``x_shard``; backward reduce-scatters
+             (``A`` is TP-replicated already)           ``dmid`` (rank-r wide)
+row          ``x A^T`` on the ``Shard(-1)`` input:      with ``recompute_adapter_inputs``: the
+             torchtitan's own module, or, when the      SwiGLU operands (``w2``); DTensor's own
+             input is rebuilt, its op                   backward on the rebuilt input
+                                                        (:mod:`.rebuilt`)
+============ ========================================== ========================================
+
+The column paths are :mod:`regather.core.strategies` Functions on plain local tensors; the
+adapter drops to them with ``to_local(grad_placements=...)`` and returns ``DTensor.from_local(...,
+grad_placements=...)`` with the placements torchtitan's own column ``lora_a`` produces and
+receives (output ``Replicate``, its gradient and ``dA`` ``Partial``), so no reduction moves.
+LoRA-B, the scale and the add are torchtitan's DTensor ops.
+
+**Where lowrank's partial dA is reduced.** ``dA = dmid_localᵀ x_shard`` sums over this rank's
+sequence rows only: it is returned as a ``Partial`` gradient — the placement torchtitan's own
+LoRA-A gradient already has (its ``dmid`` is TP-partial) — and stays ``Partial`` in ``.grad``.
+torchtitan reduces it where it reduces its own: each consumer redistributes a ``Replicate`` copy
+(``clip_grad_norm_``'s norm, the optimizer step), once per use, never twice into ``.grad``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from regather.core import accounting, fallback_log
+from regather.core.buffers import default_pool
+from regather.core.decision import Decision, Reason
+from regather.core.recompute.sources import KEEP, Recomputed
+from regather.core.strategies import Strategy
+from regather.core.strategies.paths import PathArgs, lookup
+from regather.core.strategies.regather import RegatherSlot
+from regather.core.strategies.shared_gather import SharedGather
+from regather.torchtitan import reasons
+from regather.torchtitan.layout import COLUMN, ROW, base_layout, data_of
+from regather.torchtitan.options import Options
+from regather.torchtitan.pairing import Gathered
+from regather.torchtitan.producers import SWIGLU, already_saved_by
+from regather.torchtitan.rebuilt import rebuilt_row_lora_a
+from regather.torchtitan.runstate import moment_reason, saves_for_backward
+
+
+@dataclass
+class _Plan:
+    decision: Decision
+    layout: str | None = None
+    gathered: Gathered | None = None
+    source: object = KEEP
+
+
+def _partial_grad(mesh):
+    def as_grad(grad: torch.Tensor) -> DTensor:
+        return DTensor.from_local(grad, mesh, [Partial()], run_check=False, shape=grad.shape, stride=grad.stride())
+
+    return as_grad
+
+
+def _wrap(local: torch.Tensor, mesh, placement, grad_placement) -> DTensor:
+    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=local.shape, stride=local.stride(),
+                              grad_placements=[grad_placement])
+
+
+class RegatherLoRA:
+    """The regather half of a LoRA linear (mixed into torchtitan's LoRA class, or into
+    ``nn.Linear`` by :func:`regather.torchtitan.hand.apply_lora`). Attached by
+    :func:`regather.torchtitan.model.attach`: ``site`` (where its gathered input is recorded),
+    ``norms`` (recompute producers), ``log_name`` and the model's ``fallback_log``."""
+
+    regather_base_forward = None  # the base linear's forward (set by the class factory)
+
+    def init_regather(self, options: Options) -> None:
+        self.regather = options
+        self.attached = False
+        self.site = None
+        self.norms: list = []
+        self.log_name = type(self).__name__
+        self.fallback_log = None
+        self.last_decision: Decision | None = None
+        self._verified: set = set()
+        self._logged: set = set()
+        self._slot = None
+
+    # -- decisions -------------------------------------------------------------------------
+    def wants_anchor(self) -> bool:
+        """This forward will regather early if it can (asked by the gather site)."""
+        return (self.regather.strategy == Strategy.REGATHER and self.regather.early_regather
+                and saves_for_backward(self) and base_layout(self.weight, self.lora_a.weight)[0] == COLUMN)
+
+    def decide(self) -> Decision:
+        """What this adapter would do if called now, as far as is known without its input (its
+        pairing with a gather and its producers are checked by each forward: ``last_decision``)."""
+        return self._plan(None).decision
+
+    def _plan(self, x: torch.Tensor | None) -> _Plan:
+        asked = self.regather.strategy
+        fallback = None if asked == Strategy.GATHER else asked
+
+        def gather(reason=None, layout=None, recompute_reason=None) -> _Plan:
+            decision = Decision(asked, Strategy.GATHER, reason if fallback else None)
+            if self.regather.recompute_adapter_inputs and recompute_reason is not None:
+                decision = replace(decision, recompute_reason=recompute_reason)
+            return _Plan(decision, layout)
+
+        why = moment_reason(self, self.lora_a.weight)
+        if why is not None:  # nothing is saved in eval / no_grad: no recompute to speak of
+            return gather(why, recompute_reason=why if saves_for_backward(self) else None)
+        layout, why = base_layout(self.weight, self.lora_a.weight)
+        if layout is None:
+            return gather(why, recompute_reason=why)
+        if layout == ROW:
+            plan = gather(reasons.ROW, ROW)
+            if self.regather.recompute_adapter_inputs and x is not None:
+                self._recompute_row(plan, x)
+            return plan
+        if fallback is None:
+            return gather(layout=COLUMN, recompute_reason=reasons.GATHER_KEEPS)
+        if self.site is None:
+            return gather(reasons.NO_GATHER_SITE, COLUMN, reasons.GATHER_KEEPS)
+        plan = _Plan(Decision(asked, asked, None), COLUMN)
+        if x is None:  # what it would do: pairing and producers are checked by each forward
+            return plan
+        plan.gathered, why = self.site.find(x)
+        if why is not None:
+            return gather(why, COLUMN, reasons.GATHER_KEEPS)
+        if self.regather.recompute_adapter_inputs:
+            self._recompute_shard(plan, plan.gathered.shard)
+        return plan
+
+    def _recompute_shard(self, plan: _Plan, shard: torch.Tensor) -> None:
+        norm = next((n for n in self.norms if n.produced(shard)), None)
+        if norm is None:
+            plan.decision = replace(plan.decision, recompute_reason=reasons.NO_NORM)
+            return
+        self._source(plan, norm, norm.capture(shard), shard, reasons.NORM_NOT_REPRODUCED.format(name=norm.name))
+
+    def _recompute_row(self, plan: _Plan, x: torch.Tensor) -> None:
+        captured = SWIGLU.capture(x)
+        if not isinstance(captured, str):
+            self._source(plan, SWIGLU, captured, x, reasons.SWIGLU_NOT_REPRODUCED)
+            return
+        node = already_saved_by(x)
+        why = reasons.ALREADY_SAVED.format(node=node) if node else reasons.NOT_KEPT
+        plan.decision = replace(plan.decision, recompute_reason=why)
+
+    def _source(self, plan: _Plan, producer, captured, x: torch.Tensor, not_reproduced: str) -> None:
+        """``plan.source`` from ``producer`` when its capture holds (the first rebuild checked
+        against ``x`` bit for bit), else the reason on the decision."""
+        if not isinstance(captured, str) and producer.name not in self._verified:
+            with torch.no_grad():
+                again, want = producer.recompute(*captured), data_of(x)
+                if again.shape == want.shape and torch.equal(again, want):
+                    self._verified.add(producer.name)
+                else:
+                    diff = (again - want).abs().max().item() if again.shape == want.shape else "shape"
+                    captured = Reason(not_reproduced, detail=f"max |diff| {diff}")
+        if isinstance(captured, str):
+            plan.decision = replace(plan.decision, recompute_reason=captured)
+            return
+        plan.source = Recomputed(producer, captured)
+        plan.decision = replace(plan.decision, recompute=producer.name)
+
+    def _log(self, decision: Decision) -> None:
+        for what, reason in ((f"{decision.requested.value} requested, using the gather path", decision.reason),
+                             ("recompute_adapter_inputs requested, keeping the input", decision.recompute_reason)):
+            if reason is None or (what, str(reason)) in self._logged:
+                continue
+            self._logged.add((what, str(reason)))
+            level = logging.INFO if str(reason).startswith(reasons.INFO_PREFIXES) else logging.WARNING
+            fallback_log.report(self.fallback_log, what, reason, self.log_name, level)
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        base_out = type(self).regather_base_forward(self, input)
+        lora_out = self.lora_b(self._lora_a(input))
+        out = base_out + self._lora_scaling * lora_out
+        slot, self._slot = self._slot, None
+        if slot is not None and out.requires_grad:
+            out.register_hook(slot.on_output_grad)  # early re-gather: start when dout arrives
+        return out
+
+    def _lora_a(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self._plan(x)
+        self.last_decision = plan.decision
+        self._log(plan.decision)
+        used = plan.decision.used
+        with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.log_name.rsplit('.', 1)[-1]}"):
+            if plan.layout == COLUMN and used != Strategy.GATHER:
+                return self._column(x, plan)
+            if plan.layout == ROW and plan.source is not KEEP:
+                return self._row(x, plan)
+            return self.lora_a(x)  # torchtitan's own LoRA-A, bit for bit
+
+    def _column(self, x: DTensor, plan: _Plan) -> DTensor:
+        weight, gathered = self.lora_a.weight, plan.gathered
+        mesh, dim = weight.device_mesh, gathered.dim
+        group = mesh.get_group()
+        a_local = weight.to_local(grad_placements=[Partial()])
+        lowrank = plan.decision.used == Strategy.LOWRANK
+        slot = None if lowrank else self._early_slot(gathered, group)
+        args = PathArgs(group=group, fuse=False, pool=default_pool(), slot=slot, source=plan.source,
+                        x_full=None if lowrank else x.to_local(grad_placements=[Partial()]),
+                        reduce_dA=False, seq_dim=dim)
+        path = lookup(plan.decision.used, column=True, sequence_parallel=True, shared=not lowrank)
+        if lowrank:  # the adapter reads the shard itself: its dX is complete, on the shard's placement
+            shard = gathered.shard.to_local(grad_placements=[Shard(dim)])
+        else:
+            shard = data_of(gathered.shard)
+        mid = path(shard, a_local, args)
+        return _wrap(mid, mesh, Replicate(), Partial())
+
+    def _early_slot(self, gathered: Gathered, group) -> RegatherSlot | None:
+        if gathered.anchor is None or self not in gathered.anchored:
+            return None
+        if gathered.share is None:
+            gathered.share = SharedGather.open(group, default_pool(), gathered.dim)
+        gathered.share.join()
+        slot = RegatherSlot(group, default_pool(), early=True, defer=True, share=gathered.share, dim=gathered.dim)
+        gathered.anchor.join(gathered.anchored.index(self), slot, _partial_grad(self.lora_a.weight.device_mesh))
+        self._slot = slot
+        return slot
+
+    def _row(self, x: DTensor, plan: _Plan) -> DTensor:
+        return rebuilt_row_lora_a(x, self.lora_a.weight, plan.source)
+
+
+def regather_class(lora_cls: type, base_forward, namespace: dict | None = None) -> type:
+    """A regather LoRA class over ``lora_cls`` (torchtitan's LoRA class for a base, or the base
+    linear class itself for a linear adapted by hand), whose base forward is ``base_forward``;
+    ``namespace`` adds members (a torchtitan ``Config``). Callers make one per base class."""
+    name = f"Regather{lora_cls.__name__}"
+    body = {"regather_base_forward": base_forward, "__qualname__": name, "__module__": __name__}
+    return type(name, (RegatherLoRA, lora_cls), dict(body, **(namespace or {})))

@@ -1,0 +1,81 @@
+"""A model with regather's torchtitan adapters: its adapters, their decisions, and attaching them.
+
+- :func:`adapters` / :func:`decisions` / :func:`set_strategy` — every adapter by its module path
+  (the path torchtitan's parameter names start with), what each decided, a strategy switch;
+- :func:`attach` — once per model, after it is built (the converter's root config does it) or
+  adapted by hand: each adapter learns where its gathered input is recorded, which norms may
+  have produced its shard, its path, and the model's fallback log (one line per distinct reason,
+  :mod:`regather.core.fallback_log`).
+
+Use :func:`regather.torchtitan.decisions` for a torchtitan model: ``regather.decisions`` lists
+the Megatron front end's adapters.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from regather.core import fallback_log
+from regather.core.decision import Decision
+from regather.core.strategies import Strategy
+from regather.torchtitan.adapter import RegatherLoRA
+from regather.torchtitan.options import Options
+from regather.torchtitan.pairing import watch_colwise_input, watch_redistribution
+from regather.torchtitan.producers import norms_near
+
+
+def adapters(model: nn.Module) -> dict[str, RegatherLoRA]:
+    """Every regather adapter of ``model``, by module path (``layers.0.attention.qkv_linear.wqkv``)."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, RegatherLoRA)}
+
+
+def decisions(model: nn.Module) -> dict[str, Decision]:
+    """What each adapter decided in its last forward; for one that has not run yet, what it would
+    decide from what is known without its input (its pairing with this forward's gather and its
+    producers are checked by every forward)."""
+    return {path: a.last_decision or a.decide() for path, a in adapters(model).items()}
+
+
+def set_strategy(model: nn.Module, strategy: Strategy | str) -> None:
+    """Switch every adapter of ``model`` to ``strategy`` (gather and regather: the same numerics).
+    The switch takes effect with the next forward."""
+    strategy = Strategy.parse(strategy)
+    for a in adapters(model).values():
+        a.regather = Options(strategy, a.regather.early_regather, a.regather.recompute_adapter_inputs)
+        a.last_decision = None
+
+
+def _gathering_ancestor(modules: dict, path: str):
+    """The nearest ancestor whose torchtitan sharding config redistributes an input (``attention``,
+    ``feed_forward``: their ``in_dst_shardings`` gather the sequence shard), or None."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = modules[".".join(parts[:i])]
+        config = getattr(module, "_sharding_config", None)
+        if config is not None and getattr(config, "in_dst_shardings", None):
+            return module
+    return None
+
+
+def attach(model: nn.Module, by_hand: bool = False) -> nn.Module:
+    """Attach every adapter of ``model`` (idempotent): its gather site — the gathering ancestor's
+    input redistribution (torchtitan), or the linear's own ``ColwiseParallel`` input hook
+    (``by_hand``) —, the norms beside it (``recompute_adapter_inputs``), its path and the log."""
+    modules = dict(model.named_modules())
+    found = adapters(model)
+    for path, adapter in found.items():
+        if getattr(adapter, "attached", False):
+            continue
+        adapter.attached = True
+        adapter.log_name = path
+        if by_hand:
+            adapter.site = watch_colwise_input(adapter)
+        else:
+            owner = _gathering_ancestor(modules, path)
+            adapter.site = watch_redistribution(owner) if owner is not None else None
+        if adapter.site is not None:
+            adapter.site.members.append(adapter)
+        if adapter.regather.recompute_adapter_inputs:
+            adapter.norms = norms_near(modules, path)
+    fallback_log.attach(model, found.values())
+    return model

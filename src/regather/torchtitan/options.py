@@ -1,0 +1,72 @@
+"""regather's fields on a torchtitan LoRA, named as in ``regather.LoRA``, checked before any change.
+
+=================================== ========= ==============================================
+field                               default   meaning
+=================================== ========= ==============================================
+``sequence_parallel_input_regather`` ``False``  ``True``: the regather strategy (shorthand)
+``sequence_parallel_input_strategy`` ``None``   ``"gather"`` | ``"regather"`` | ``"lowrank"``;
+                                              ``None`` follows the flag above
+``early_regather``                   ``True``   regather: start the backward gather when the
+                                              output gradient arrives, compute ``dA`` after
+                                              the gathering module's dgrad (bit-identical)
+``recompute_adapter_inputs``         ``False``  save what each adapter input's producer keeps
+                                              (the norm's input, the SwiGLU operands) and
+                                              rebuild the input in backward
+=================================== ========= ==============================================
+
+A bad value raises ``ValueError`` naming the field (``owner(field=value): ...``) when the config
+is made, before a model is touched; so do torchtitan's own ``rank`` / ``alpha`` /
+``target_modules`` when they cannot build an adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from regather.core.strategies import Strategy
+
+
+@dataclass(frozen=True)
+class Options:
+    """What an adapter runs: the strategy asked for and the two switches."""
+
+    strategy: Strategy = Strategy.GATHER
+    early_regather: bool = True
+    recompute_adapter_inputs: bool = False
+
+
+def _flag(owner: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}({name}={value!r}): expected True or False")
+    return value
+
+
+def options(owner: str, *, sequence_parallel_input_regather=False, sequence_parallel_input_strategy=None,
+            early_regather=True, recompute_adapter_inputs=False) -> Options:
+    """The :class:`Options` of regather's fields, or a ``ValueError`` naming the bad one."""
+    regather = _flag(owner, "sequence_parallel_input_regather", sequence_parallel_input_regather)
+    strategy = Strategy.REGATHER if regather else Strategy.GATHER
+    if sequence_parallel_input_strategy is not None:
+        try:
+            chosen = Strategy.parse(sequence_parallel_input_strategy)
+        except ValueError as exc:
+            raise ValueError(f"{owner}(sequence_parallel_input_strategy={sequence_parallel_input_strategy!r}): "
+                             f"{exc}") from None
+        if regather and chosen != Strategy.REGATHER:
+            raise ValueError(f"{owner}(sequence_parallel_input_regather=True, sequence_parallel_input_strategy="
+                             f"{sequence_parallel_input_strategy!r}) disagree: set only one of them")
+        strategy = chosen
+    return Options(strategy, _flag(owner, "early_regather", early_regather),
+                   _flag(owner, "recompute_adapter_inputs", recompute_adapter_inputs))
+
+
+def check_lora(owner: str, rank, alpha, target_modules) -> None:
+    """torchtitan's LoRA fields: a positive integer rank, a real alpha, a list of names or None."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise ValueError(f"{owner}(rank={rank!r}): rank must be a positive integer")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ValueError(f"{owner}(alpha={alpha!r}): alpha must be a number")
+    if target_modules is not None and (isinstance(target_modules, str)
+                                       or not all(isinstance(t, str) for t in target_modules)):
+        raise ValueError(f"{owner}(target_modules={target_modules!r}): expected a list of module names "
+                         "(the last segment of a module's path, e.g. ['wqkv', 'w1']) or None")
