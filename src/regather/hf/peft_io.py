@@ -29,7 +29,9 @@ refusal raises :class:`~regather.hf.peft_config.UnsupportedAdapter`, a ``ValueEr
   other set field regather does not know (:func:`~regather.hf.peft_config.check_features`).
 
 Weights are written unscaled (``alpha / dim`` is PEFT's ``lora_alpha / r``). The exported
-tensors are the same whichever strategy trained the model. Pipeline parallelism is not
+tensors are the same whichever strategy trained the model. A torchtitan model (torchtitan's or
+regather's ``LoRAConverter``) is exported by :mod:`regather.hf.torchtitan_peft`: ``export_peft``,
+``hf_state_dict`` and ``peft_config`` hand it over; ``load_peft`` is megatron's only. Pipeline parallelism is not
 supported (layer numbers are taken from the local module path).
 """
 
@@ -45,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from regather.core import comm
-from regather.hf import layout
+from regather.hf import layout, torchtitan_peft
 from regather.hf.layout import PEFT_PREFIX, Target
 from regather.hf.peft_config import (
     ExportedModule,
@@ -152,9 +154,21 @@ def _exported(model, names, dtype):
     return tensors, modules
 
 
+def _torchtitan(model, names) -> bool:
+    """``model`` is a torchtitan model with LoRA (:mod:`regather.hf.torchtitan_peft` exports it)."""
+    if not torchtitan_peft.is_torchtitan_lora(model):
+        return False
+    if names is not None:
+        raise ValueError("names= renames megatron linears; a torchtitan model's names are fixed "
+                         "(regather.hf.torchtitan_peft.NAMES)")
+    return True
+
+
 def hf_state_dict(model: torch.nn.Module, names: Mapping | None = None,
                   dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The full (TP-gathered) LoRA weights under HF PEFT keys. A collective: call on every rank."""
+    if _torchtitan(model, names):
+        return torchtitan_peft.hf_state_dict(model, dtype)
     return _exported(model, names, dtype)[0]
 
 
@@ -170,6 +184,8 @@ def peft_config(model, tensors: Mapping[str, torch.Tensor] | None = None,
     writes; targets as module names (+ ``layers_to_transform`` when not every layer has them, or
     exact module names when the layers differ per module); ``rank_pattern`` / ``alpha_pattern``
     / ``use_rslora`` from each adapter's ``dim`` and ``scale``. Collective-free."""
+    if _torchtitan(model, names):
+        return torchtitan_peft.peft_config(model, base_model_name_or_path)
     modules = []
     for slot in slots(model, names):
         a = slot.adapter
@@ -188,6 +204,9 @@ def export_peft(model: torch.nn.Module, directory: str, *, base_model_name_or_pa
     """
     from safetensors.torch import save_file
 
+    if _torchtitan(model, names):
+        return torchtitan_peft.export_peft(model, directory, base_model_name_or_path=base_model_name_or_path,
+                                          dtype=dtype)
     _check_no_pipeline()
     tensors, _ = _exported(model, names, dtype)
     config = peft_config(model, tensors, base_model_name_or_path, names)
