@@ -14,7 +14,10 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (make venv: torchtitan==0.3.0 --no-deps)")
+import titan_harness
+
+if titan_harness.missing():
+    pytest.skip(titan_harness.missing(), allow_module_level=True)
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 

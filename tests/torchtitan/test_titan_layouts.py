@@ -10,8 +10,10 @@ spawn, workers_titan.layouts_suite):
 """
 
 import pytest
+import titan_harness
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (make venv: torchtitan==0.3.0 --no-deps)")
+if titan_harness.missing():
+    pytest.skip(titan_harness.missing(), allow_module_level=True)
 
 import torch
 import workers_titan as W

@@ -10,8 +10,10 @@ recompute_adapter_inputs 4,098.5 (+80: the ten rank-r tensors [2, 128, 8] fp32, 
 """
 
 import pytest
+import titan_harness
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (make venv: torchtitan==0.3.0 --no-deps)")
+if titan_harness.missing():
+    pytest.skip(titan_harness.missing(), allow_module_level=True)
 
 import torch
 import workers_titan as W

@@ -11,6 +11,7 @@ from its name), so the adapters change the loss.
 
 from __future__ import annotations
 
+import importlib.util
 import zlib
 
 import torch
@@ -19,6 +20,19 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from regather.core.accounting import CollectiveBytes, SavedBytes
 from regather.testing.torchtitan_cpu import enable_torchtitan_cpu
+
+#: what the torchtitan tests import: torchtitan and the two packages it imports that its pins bring
+NEEDED = ("torchtitan", "spmd_types", "tyro")
+
+
+def missing() -> str | None:
+    """Why the torchtitan tests cannot run here (a package not installed), or None."""
+    absent = [name for name in NEEDED if importlib.util.find_spec(name) is None]
+    if not absent:
+        return None
+    return (f"{', '.join(absent)} not installed (make venv installs torchtitan==0.3.0 and spmd_types==0.2.3 "
+            "with --no-deps, tyro from requirements-dev.txt)")
+
 
 TARGETS = ["wqkv", "wo", "w1", "w2", "w3"]
 B, S, LAYERS, VOCAB = 2, 128, 2, 2048
