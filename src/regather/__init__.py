@@ -25,14 +25,44 @@ _PUBLIC = {
     "CanonicalLoRA": "regather.megatron.canonical",
     "LoRALinear": "regather.megatron.dense.wrapper",
     "ParallelLinearAdapter": "regather.megatron.dense.adapter",
-    "Decision": "regather.megatron.dense.adapter",
+    "Decision": "regather.core.decision",
     "Strategy": "regather.core.strategies",
-    "adapters": "regather.megatron.dense.model",
-    "decisions": "regather.megatron.dense.model",
-    "set_strategy": "regather.megatron.dense.model",
 }
+# where each front end lists a model's adapters (adapters, decisions, set_strategy)
+_FRONT_ENDS = ("regather.megatron.dense.model", "regather.torchtitan.model")
 
-__all__ = list(_PUBLIC)
+__all__ = [*_PUBLIC, "adapters", "decisions", "set_strategy"]
+
+
+def _front_ends():
+    """The front ends loaded in this process: a model can only hold adapters of those."""
+    import sys
+
+    return [sys.modules[name] for name in _FRONT_ENDS if name in sys.modules]
+
+
+def adapters(model) -> dict:
+    """Every LoRA adapter of ``model`` by its path, whichever front end built it (megatron-core's
+    :func:`regather.megatron.dense.model.adapters`, torchtitan's :func:`regather.torchtitan.adapters`)."""
+    out = {}
+    for front_end in _front_ends():
+        out.update(front_end.adapters(model))
+    return out
+
+
+def decisions(model) -> dict:
+    """What each adapter of ``model`` would do if called now — the strategy it runs and why, and
+    whether its input is rebuilt — whichever front end built it."""
+    out = {}
+    for front_end in _front_ends():
+        out.update(front_end.decisions(model))
+    return out
+
+
+def set_strategy(model, strategy) -> None:
+    """Switch every adapter of ``model`` to ``strategy`` ("gather" | "regather" | "lowrank")."""
+    for front_end in _front_ends():
+        front_end.set_strategy(model, strategy)
 
 
 def __getattr__(name: str):
