@@ -394,3 +394,108 @@ def test_cli_moe_reference_and_expert_flags(capsys):
     assert got["run"]["expert_lora"] == "per-expert" and got["run"]["redispatch"] and got["run"]["etp"] == 2
     assert got["experts"]["adapters_per_layer"] == {"experts.linear_fc1": 32, "experts.linear_fc2": 32}
     assert got["strategies"]["regather-recompute"]["recomputed_by_target"]["experts.linear_fc1"] == 48 * 32
+
+
+# -- same work as the reference: Bridge's recipe targets (--recipe), the attention output (--attention) ----
+
+QKV_PROJ = ("linear_qkv", "linear_proj")  # Bridge 0.6.2's Qwen3 PEFT recipes: dim 8, alpha 16
+
+
+def test_qwen3_8b_recipe_targets_by_hand():
+    """Qwen3-8B TP2, s=8192, bf16, LoRA on qkv + proj: per layer x_full = s*h*2, x_local = x_full/2,
+    proj's input s*(32*128)/2*2 (the attention output). Unfused attention (megatron's local spec):
+    proj's input is new bytes on every strategy; fused (the kernel keeps its output): 0 on every one.
+    The saving does not change (proj keeps the same on every path); what remains does."""
+    x_full, x_local, proj = S * H * 2, S * H * 2 // 2, S * 4096 // 2 * 2
+    assert (x_full, x_local, proj) == (67_108_864, 33_554_432, 33_554_432)
+    strategies = ["gather", "regather", "regather-recompute"]
+    for fused, proj_kept in ((False, proj), (True, 0)):
+        run = Run(tp=2, seq=S, lora_rank=8, targets=QKV_PROJ, attention_keeps_output=fused)
+        res = estimate(QWEN3_8B, run, strategies)
+        assert res["gather"]["adapter_input_by_target"] == {"linear_qkv": 36 * x_full, "linear_proj": 36 * proj_kept}
+        assert res["regather"]["adapter_input_by_target"] == {"linear_qkv": 36 * x_local,
+                                                              "linear_proj": 36 * proj_kept}
+        rc = res["regather-recompute"]
+        # layer 0's qkv keeps its shard (frozen embeddings: input_layernorm keeps nothing); 35 recompute
+        assert rc["adapter_input_by_target"] == {"linear_qkv": x_local, "linear_proj": 36 * proj_kept}
+        assert rc["adapter_input_bytes"] == (1_241_513_984 if not fused else 33_554_432)
+        assert res["regather"]["saved_vs_gather"] == 36 * x_local == 1_207_959_552
+        assert rc["saved_vs_gather"] == 36 * x_full - x_local == 2_382_364_672
+        assert rc["saved_vs_gather_input_requires_grad"] == 36 * x_full == 2_415_919_104
+        assert rc["recomputed_by_target"] == {"linear_qkv": 35}
+        assert res["regather"]["extra_comm_bytes"] == {"all_gather": 36 * x_full // 2}
+        proj_reasons = [k for k in rc["kept_by_reason"] if k.startswith("linear_proj")]
+        assert proj_reasons == ([] if fused else ["linear_proj: linear_proj has no recomputable producer (only "
+                                                  "linear_qkv, linear_fc1 and linear_fc2 do)"])
+        for row in res.values():
+            assert row.get("shared_by_target") == ({"linear_proj": 36} if fused else None)
+
+
+def test_cli_recipe_names_the_targets_beside_the_reference(capsys):
+    args = ["estimate", "--model", "qwen3-8b", "--tp", "2", "--seq", "8192", "--strategies",
+            "gather,regather,regather-recompute"]
+    assert cli.main(args + ["--recipe", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["run"]["targets"] == list(QKV_PROJ) and doc["run"]["lora_rank"] == 8
+    sw = doc["same_work"]
+    assert sw["targets"] == list(QKV_PROJ) and sw["lora_rank"] == 8 and sw["reference_targets"] == "not stated"
+    assert sw["recipe"] == {"bridge": "0.6.2", "function": "qwen3_8b_peft_1gpu_h100_bf16_config",
+                            "layout": "TP1, SP off, seq 2048", "targets": list(QKV_PROJ), "dim": 8, "alpha": 16}
+    assert sw["targets_match_recipe"] and sw["differs_from_recipe"] is None and sw["attention"] == "unfused"
+    assert sw["regather_bound"] == 36 * S * H * 2  # every qkv x_full: the most any re-gather frees here
+    assert sw["reference_exceeds_bound"]  # 4.731 GB > 2.416 GB: the reference's run had more eligible adapters
+    assert doc["reference_saved"]["saved"] == 4_731_000_000
+    assert doc["strategies"]["regather-recompute"]["adapter_input_bytes"] == 1_241_513_984
+
+    assert cli.main(args + ["--recipe", "--attention", "fused", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["same_work"]["attention"] == "fused" and doc["same_work"]["linear_proj_input"].startswith("0 new")
+    assert doc["strategies"]["regather-recompute"]["adapter_input_bytes"] == 33_554_432  # layer 0's qkv shard
+
+    # all four targets at the recipe's dim: said plainly to differ from the recipe
+    assert cli.main(args + ["--recipe", "--targets", "linear_qkv,linear_proj,linear_fc1,linear_fc2"]) == 0
+    out = capsys.readouterr().out
+    assert ("4.731 GB (4.406 GiB); this estimate: LoRA on linear_qkv, linear_proj, linear_fc1, linear_fc2, r=8 "
+            "(the reference does not state its targets)") in out
+    assert "NOT the recipe's targets: this estimate adds linear_fc1, linear_fc2" in out
+    assert "more than that" not in out and "8.422 GB" in out
+
+    assert cli.main(args + ["--recipe", "--attention", "fused"]) == 0
+    out = capsys.readouterr().out
+    assert "-> the recipe's targets and dim" in out and "is more than that" in out
+    assert "linear_proj's LoRA-A input (fused attention): 0 new bytes on every strategy" in out
+    assert "inputs kept anyway, 0 new B : linear_proj 36 (the attention output)" in out
+
+
+def test_recipe_per_preset_and_overrides(capsys):
+    base = ["estimate", "--json", "--strategies", "regather"]
+    assert cli.main(base + ["--model", "gpt-oss-120b", "--tp", "2", "--ep", "8", "--recipe"]) == 0
+    sw = json.loads(capsys.readouterr().out)["same_work"]
+    assert sw["targets"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"] and sw["lora_rank"] == 32
+    assert sw["recipe"]["function"] == "gpt_oss_120b_peft_8gpu_h100_bf16_config" and sw["differs_from_recipe"] is None
+    assert cli.main(base + ["--model", "qwen3-30b-a3b", "--tp", "4", "--ep", "4", "--recipe", "--lora-rank", "16"]) == 0
+    sw = json.loads(capsys.readouterr().out)["same_work"]
+    assert sw["targets"] == list(QKV_PROJ) and sw["lora_rank"] == 16 and sw["targets_match_recipe"]
+    assert sw["differs_from_recipe"].startswith("the recipe's targets, not its dim: r=16 here, dim 8")
+    assert sw["regather_bound"] == 48 * S * 2048 * 2 and not sw["reference_exceeds_bound"]  # its seq is not stated
+    # --targets alone asks for the comparison (without --recipe the run keeps the given targets and rank)
+    assert cli.main(base + ["--model", "qwen3-8b", "--targets", "linear_qkv"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["run"]["lora_rank"] == 16 and doc["same_work"]["differs_from_recipe"] == (
+        "NOT the recipe's targets: this estimate drops linear_proj")
+    assert doc["same_work"]["linear_proj_input"] == "not adapted"
+    # custom sizes keep the preset's recipe (Llama3-70B's: all four targets, dim 16, alpha 32)
+    assert cli.main(base + ["--model", "llama3-70b", "--layers", "4", "--recipe"]) == 0
+    sw = json.loads(capsys.readouterr().out)["same_work"]
+    assert (sw["recipe"]["dim"], sw["recipe"]["alpha"], sw["lora_rank"]) == (16, 32, 16)
+    assert sw["differs_from_recipe"] is None and sw["regather_bound"] == 4 * 2 * S * 8192 * 2  # qkv, fc1
+
+
+def test_default_documents_carry_no_same_work(capsys):
+    """The default report and JSON are unchanged by the same-work options (no new key, no new line)."""
+    assert cli.main(["estimate", "--model", "qwen3-8b", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "same_work" not in doc and all("shared_by_target" not in row for row in doc["strategies"].values())
+    assert cli.main(["estimate", "--model", "qwen3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "this estimate: LoRA on" not in out and "attention" not in out

@@ -31,6 +31,19 @@ applies when activation recompute is on; HF's ``enable_input_require_grads``). T
 until ``dA``; regather's re-gather buffer; the re-dispatched tokens) is not retained memory and
 is not counted, as for every strategy.
 
+**Same work as the reference** (``--recipe``, ``--attention``): the reference does not state its
+LoRA targets, and Megatron Bridge's own PEFT recipes for Qwen3-8B and Qwen3-30B-A3B adapt only
+``linear_qkv`` and ``linear_proj`` (dim 8; :data:`~regather.tools.estimate.config.RECIPES`), so a
+saving on fc1, fc2 or experts is not one a recipe run can show. ``--recipe`` takes the preset's
+recipe LoRA; ``--targets``, ``--lora-rank``, ``--attention`` or ``--recipe`` add to the report the
+targets used beside the recipe's and the reference's figure, and the most any re-gather can free
+on them (:func:`~regather.tools.estimate.report.same_work`). What stays under
+``recompute_adapter_inputs`` is ``linear_proj``'s input (the attention output) and, with frozen
+embeddings, layer 0's qkv shard; ``--attention fused`` (``Run.attention_keeps_output``: an attention
+kernel that keeps its output for its own backward, as flash-attention and Transformer Engine's
+fused attention do) counts ``linear_proj``'s input as 0 new bytes on every strategy. The default
+report is unchanged.
+
 Assumptions: SP layout ``[s, b, h]`` sharded over ``s``; LoRA on the linears
 named in ``--targets``; in MoE layers ``linear_fc1``/``linear_fc2`` are the
 experts' (they never re-gather, docs/design.md §5), routing is dropless (no capacity
@@ -43,13 +56,16 @@ modelled.
 from regather.megatron.reasons import ALL_TARGETS, EXPERT_TARGETS, NORM_OF, ROUTER_KEEPS_NOTHING
 from regather.tools.estimate.config import (
     ALL_STRATEGIES,
+    ATTENTION,
     EXPERT_LORA,
     PRESETS,
+    RECIPES,
     RECOMPUTE,
     STRATEGIES,
     VARIANTS,
     AdapterInput,
     Model,
+    Recipe,
     Run,
     check_run,
     eligible_per_layer,
@@ -70,7 +86,7 @@ from regather.tools.estimate.experts import (
     redispatch_comm,
     routed_rows,
 )
-from regather.tools.estimate.report import REFERENCE, as_json, format_report, reference_for
+from regather.tools.estimate.report import REFERENCE, as_json, format_report, reference_for, same_work
 from regather.tools.estimate.summary import (
     adapter_input_bytes,
     comm_changes,
@@ -78,14 +94,15 @@ from regather.tools.estimate.summary import (
     extra_comm_bytes,
     recompute_summary,
     saved_vs_gather,
+    shared_summary,
 )
 
 __all__ = [
-    "ALL_STRATEGIES", "ALL_TARGETS", "EXPERT_LORA", "EXPERT_TARGETS", "NORM_OF", "PRESETS", "RECOMPUTE", "REFERENCE",
-    "ROUTER_KEEPS_NOTHING", "STRATEGIES", "VARIANTS", "AdapterInput", "Model", "Run", "adapter_input_bytes",
-    "adapter_inputs", "as_json", "check_run", "comm_changes", "dense_comm_changes", "eligible_per_layer", "estimate",
-    "expert_adapters_per_layer", "expert_comm_changes", "expert_fc1_source", "expert_inputs", "expert_layout",
-    "expert_lora", "extra_comm_bytes", "format_report", "layers_here", "local_tokens", "predispatch_comm",
-    "producer_inputs_need_grad", "recompute_summary", "redispatch_comm", "reference_for", "routed_rows",
-    "saved_vs_gather", "split_strategy",
+    "ALL_STRATEGIES", "ALL_TARGETS", "ATTENTION", "EXPERT_LORA", "EXPERT_TARGETS", "NORM_OF", "PRESETS", "RECIPES",
+    "RECOMPUTE", "REFERENCE", "ROUTER_KEEPS_NOTHING", "STRATEGIES", "VARIANTS", "AdapterInput", "Model", "Recipe",
+    "Run", "adapter_input_bytes", "adapter_inputs", "as_json", "check_run", "comm_changes", "dense_comm_changes",
+    "eligible_per_layer", "estimate", "expert_adapters_per_layer", "expert_comm_changes", "expert_fc1_source",
+    "expert_inputs", "expert_layout", "expert_lora", "extra_comm_bytes", "format_report", "layers_here", "local_tokens",
+    "predispatch_comm", "producer_inputs_need_grad", "recompute_summary", "redispatch_comm", "reference_for",
+    "routed_rows", "same_work", "saved_vs_gather", "shared_summary", "split_strategy",
 ]

@@ -11,7 +11,16 @@ from dataclasses import replace
 
 from regather.core.shapes import DTYPE_BYTES
 from regather.megatron.reasons import ALL_TARGETS, REPLAYED_DISPATCHERS
-from regather.tools.estimate.config import ALL_STRATEGIES, EXPERT_LORA, PRESETS, Model, Run
+from regather.tools.estimate.config import (
+    ALL_STRATEGIES,
+    ATTENTION,
+    BRIDGE_VERSION,
+    EXPERT_LORA,
+    PRESETS,
+    RECIPES,
+    Model,
+    Run,
+)
 
 # --flag -> ModelShape field, for the custom sizes (--experts is the count here)
 _SIZES = {"hidden": "hidden", "ffn": "ffn", "layers": "layers", "heads": "heads", "kv_heads": "kv_heads",
@@ -24,6 +33,24 @@ def _targets(value: str) -> tuple:
     if bad:
         raise argparse.ArgumentTypeError(f"unknown targets {bad}; expected some of {', '.join(ALL_TARGETS)}")
     return names
+
+
+# the options that ask for the same-work lines (the default report stays as it was)
+SAME_WORK_OPTIONS = ("targets", "lora_rank", "attention")
+
+
+class _Given(argparse.Action):
+    """Stores the value and records that the option was on the command line (``--recipe`` gives
+    the targets and rank only where they were not)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = frozenset(getattr(namespace, "given", ())) | {self.dest}
+
+
+def _recipe_lora(recipe) -> str:
+    targets = "all four targets" if set(recipe.targets) == set(ALL_TARGETS) else ",".join(recipe.targets)
+    return f"{targets}, dim {recipe.dim}"
 
 
 def register(subparsers) -> None:
@@ -53,8 +80,17 @@ def register(subparsers) -> None:
     p.add_argument("--grad-dtype", choices=sorted(DTYPE_BYTES), default=None,
                    help="LoRA-A gradient dtype for lowrank's dA all-reduce (default: --dtype; "
                         "float32 with gradient-accumulation fusion)")
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--targets", type=_targets, default=",".join(ALL_TARGETS))
+    p.add_argument("--lora-rank", type=int, default=16, action=_Given)
+    p.add_argument("--targets", type=_targets, default=",".join(ALL_TARGETS), action=_Given)
+    p.add_argument("--recipe", action="store_true",
+                   help=f"LoRA targets and dim of the preset's Megatron Bridge {BRIDGE_VERSION} PEFT recipe ("
+                        + "; ".join(f"{k}: {_recipe_lora(r)}" for k, r in sorted(RECIPES.items()))
+                        + "); --targets and --lora-rank still override. The report then sets the targets beside "
+                          "the recipe's and the reference's")
+    p.add_argument("--attention", choices=ATTENTION, default="unfused", action=_Given,
+                   help="fused: the attention keeps its output for its backward (flash-attention, TE's fused "
+                        "attention), so linear_proj's LoRA-A input is 0 new bytes on every strategy; unfused: "
+                        "megatron's local attention (saves probs and V)")
     p.add_argument("--strategies", default=",".join(ALL_STRATEGIES),
                    help="some of " + ", ".join(ALL_STRATEGIES) + " (-recompute: recompute_adapter_inputs=True)")
     p.add_argument("--input-requires-grad", action="store_true",
@@ -73,18 +109,29 @@ def model_from_args(args) -> Model:
     return replace(model, name=model.name + (" (custom)" if custom else ""), dispatcher=args.dispatcher, **custom)
 
 
+def _given(args) -> frozenset:
+    return frozenset(getattr(args, "given", ()))
+
+
 def run_from_args(args) -> Run:
+    """The run; with ``--recipe``, the recipe's targets and dim where ``--targets`` / ``--lora-rank`` were not given."""
     targets = tuple(args.targets) if not isinstance(args.targets, str) else _targets(args.targets)
+    rank = args.lora_rank
+    recipe = RECIPES.get(args.model) if getattr(args, "recipe", False) else None
+    if recipe is not None:
+        targets = targets if "targets" in _given(args) else recipe.targets
+        rank = rank if "lora_rank" in _given(args) else recipe.dim
     return Run(tp=args.tp, sp=args.sp, seq=args.seq, micro_batch=args.micro_batch, in_flight=args.in_flight,
-               pp=args.pp, dtype=args.dtype, grad_dtype=args.grad_dtype, lora_rank=args.lora_rank, targets=targets,
+               pp=args.pp, dtype=args.dtype, grad_dtype=args.grad_dtype, lora_rank=rank, targets=targets,
                first_stage=args.first_stage, input_requires_grad=args.input_requires_grad, ep=args.ep, etp=args.etp,
-               share_expert_adapters=args.expert_lora == "shared", redispatch_expert_inputs=args.redispatch)
+               share_expert_adapters=args.expert_lora == "shared", redispatch_expert_inputs=args.redispatch,
+               attention_keeps_output=getattr(args, "attention", "unfused") == "fused")
 
 
 def main(args) -> int:
     import json
 
-    from regather.tools.estimate.report import as_json, format_report, reference_for
+    from regather.tools.estimate.report import as_json, format_report, reference_for, same_work
     from regather.tools.estimate.summary import estimate
 
     model, run = model_from_args(args), run_from_args(args)
@@ -97,8 +144,10 @@ def main(args) -> int:
     except ValueError as exc:  # sizes that do not divide: say which
         raise SystemExit(f"regather estimate: {exc}") from None
     ref = reference_for(args.model, model, run)
+    asked = getattr(args, "recipe", False) or bool(_given(args) & set(SAME_WORK_OPTIONS))
+    same = same_work(args.model, model, run, ref) if asked else None
     if args.json:
-        print(json.dumps(as_json(model, run, result, ref), indent=1))
+        print(json.dumps(as_json(model, run, result, ref, same), indent=1))
     else:
-        print(format_report(model, run, result, ref))
+        print(format_report(model, run, result, ref, same))
     return 0

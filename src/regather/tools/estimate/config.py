@@ -49,6 +49,38 @@ PRESETS = {
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """A Megatron Bridge PEFT recipe's LoRA: what ``--recipe`` estimates (Bridge 0.6.2's
+    ``megatron.bridge.recipes``). Only the LoRA is taken from it; the layout (TP, EP, SP, sequence
+    length) stays the command line's, as the reference's runs changed the recipes' layouts."""
+
+    function: str  # the recipe's function in megatron.bridge.recipes
+    targets: tuple
+    dim: int
+    alpha: int
+    layout: str  # the recipe's own parallel layout and sequence length, for the report
+
+
+BRIDGE_VERSION = "0.6.2"
+# Bridge 0.6.2: the Qwen3 recipes set dim=8, alpha=16, target_modules=["linear_qkv", "linear_proj"];
+# the GPT-OSS ones keep the default LoRA() (all four targets, dim 32, alpha 32); Llama3-70B's sets dim 16, alpha 32
+RECIPES = {
+    "qwen3-8b": Recipe("qwen3_8b_peft_1gpu_h100_bf16_config", ("linear_qkv", "linear_proj"), 8, 16,
+                       "TP1, SP off, seq 2048"),
+    "qwen3-30b-a3b": Recipe("qwen3_30b_a3b_peft_4gpu_h100_bf16_config", ("linear_qkv", "linear_proj"), 8, 16,
+                            "TP4/EP4, SP on, seq 2048"),
+    "gpt-oss-120b": Recipe("gpt_oss_120b_peft_8gpu_h100_bf16_config", ALL_TARGETS, 32, 32,
+                           "TP1/EP8, SP off, seq 2048"),
+    "llama3-70b": Recipe("llama3_70b_peft_8gpu_h100_bf16_config", ALL_TARGETS, 16, 32, "TP8, SP off, seq 4096"),
+}
+
+# --attention: whether the attention kernel keeps its output for its own backward
+ATTENTION = ("unfused", "fused")
+ATTENTION_OUTPUT = ("the attention output, which the fused attention keeps for its backward (flash-attention, "
+                    "Transformer Engine's fused attention)")
+
+
+@dataclass(frozen=True)
 class Run(RunShape):
     """One GPU's run as estimate models it (a dense model needs ep = etp = 1)."""
 
@@ -63,6 +95,10 @@ class Run(RunShape):
     # and with recompute_adapter_inputs its input_layernorm keeps nothing to recompute from.
     # A later stage's input requires grad; input_requires_grad: layer 0 behaves like every other layer
     first_stage: bool = True
+    # the attention kernel keeps its output for its backward (flash-attention / TE's fused attention
+    # save ``out``): linear_proj's LoRA-A input is that tensor, 0 new bytes on every strategy.
+    # False: megatron's unfused local attention, which saves probs and V, not the output
+    attention_keeps_output: bool = False
 
     @property
     def e(self) -> int:
@@ -176,3 +212,4 @@ class AdapterInput:
     recomputed_from: str | None = None
     kept_because: str | None = None
     adapters: int = 1
+    shared_with: str | None = None  # kept anyway by this op for its own backward: 0 new bytes

@@ -8,10 +8,15 @@ adapter                 gather                regather / lowrank
 ======================= ===================== =============================
 linear_qkv, dense fc1   ``s*b*h*e``           ``s*b*h/t*e`` (eligible)
 linear_proj             ``s*b*(heads*d)/t*e`` same (row-parallel, ineligible)
+linear_proj, fused attn 0 (its output, kept) 0
 dense linear_fc2        ``s*b*ffn/t*e``       same
 ======================= ===================== =============================
 
-Without SP, or at TP=1, every strategy keeps ``s*b*h*e`` for qkv/fc1.
+Without SP, or at TP=1, every strategy keeps ``s*b*h*e`` for qkv/fc1. linear_proj's input is
+the attention output: new bytes under megatron's unfused local attention (it saves the
+probabilities and V), none where the attention kernel keeps its output for its own backward
+(flash-attention, Transformer Engine's fused attention: ``--attention fused``,
+``Run.attention_keeps_output``), on every strategy.
 
 **Recompute** (``<strategy>-recompute`` = ``LoRA(recompute_adapter_inputs=True)``,
 :mod:`regather.megatron.dense.producers`): an adapter that rebuilds its input in backward adds
@@ -53,6 +58,7 @@ from __future__ import annotations
 from regather.core.recompute.graph import NOTHING_KEPT
 from regather.megatron.reasons import ALL_TARGETS, NORM_OF, kept_as_is, no_recomputable_producer
 from regather.tools.estimate.config import (
+    ATTENTION_OUTPUT,
     AdapterInput,
     Model,
     Run,
@@ -96,6 +102,8 @@ def adapter_inputs(model: Model, run: Run, strategy: str) -> list[list[AdapterIn
                     row.append(AdapterInput(name, kept, kept_because=f"{NORM_OF[name]}: {NOTHING_KEPT}"))
                 else:
                     row.append(AdapterInput(name, 0, recomputed_from=NORM_OF[name]))
+            elif name == "linear_proj" and run.attention_keeps_output:
+                row.append(AdapterInput(name, 0, shared_with=ATTENTION_OUTPUT))
             elif name == "linear_proj":
                 kept = s * b * model.attn_width // t * e
                 row.append(AdapterInput(name, kept, kept_because=no_recomputable_producer(name) if recompute else None))

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 from regather.megatron.reasons import EXPERT_TARGETS
-from regather.tools.estimate.config import Model, Run, eligible_per_layer, expert_lora, layers_here
+from regather.tools.estimate.config import (
+    ATTENTION_OUTPUT,
+    BRIDGE_VERSION,
+    RECIPES,
+    Model,
+    Run,
+    eligible_per_layer,
+    expert_lora,
+    layers_here,
+)
 from regather.tools.estimate.experts import expert_layout
+from regather.tools.estimate.summary import adapter_input_bytes
 
 # The reference's measured peak-memory drops with sequence_parallel_input_regather=True
 # (/work/shared/reference: Qwen3-8B TP2 seq 8192; the MoE rows state TP and EP, not their
@@ -30,6 +40,70 @@ def reference_for(preset: str, model: Model, run: Run) -> dict | None:
     return ref
 
 
+UNFUSED = "megatron's unfused local attention saves the probabilities and V, not its output"
+
+
+def _names(targets) -> str:
+    return ", ".join(targets) or "none"
+
+
+def recipe_difference(recipe, run: Run) -> str | None:
+    """None when ``run`` adapts the recipe's targets at its dim, else what differs, plainly."""
+    added = [t for t in run.targets if t not in recipe.targets]
+    dropped = [t for t in recipe.targets if t not in run.targets]
+    parts = ([f"adds {_names(added)}"] if added else []) + ([f"drops {_names(dropped)}"] if dropped else [])
+    if parts:
+        return "NOT the recipe's targets: this estimate " + " and ".join(parts)
+    if run.lora_rank != recipe.dim:
+        return (f"the recipe's targets, not its dim: r={run.lora_rank} here, dim {recipe.dim} in the recipe "
+                "(the adapter-input bytes do not depend on it; lowrank's and the expert route's bytes do)")
+    return None
+
+
+def same_work(preset: str, model: Model, run: Run, reference: dict | None = None) -> dict:
+    """What ``--recipe`` / ``--targets`` / ``--lora-rank`` / ``--attention`` add to the report: the
+    targets this estimate adapts beside Bridge's PEFT recipe for the preset and the reference (which
+    does not state its targets), whether linear_proj's input is new bytes, and the most any
+    re-gather can free on these targets (the gathered input of every eligible adapter)."""
+    recipe = RECIPES.get(preset)  # the preset's, also with custom sizes (its LoRA does not depend on them)
+    eligible = eligible_per_layer(model, run)
+    gathered = adapter_input_bytes(model, run, "gather")
+    out = {
+        "targets": list(run.targets), "lora_rank": run.lora_rank, "reference_targets": "not stated",
+        "recipe": None if recipe is None else {
+            "bridge": BRIDGE_VERSION, "function": recipe.function, "layout": recipe.layout,
+            "targets": list(recipe.targets), "dim": recipe.dim, "alpha": recipe.alpha},
+        "targets_match_recipe": None if recipe is None else set(run.targets) == set(recipe.targets),
+        "differs_from_recipe": None if recipe is None else recipe_difference(recipe, run),
+        "attention": "fused" if run.attention_keeps_output else "unfused",
+        "linear_proj_input": ("not adapted" if "linear_proj" not in run.targets else
+                              f"0 new bytes on every strategy: {ATTENTION_OUTPUT}" if run.attention_keeps_output
+                              else f"new bytes on every strategy: {UNFUSED}"),
+        "regather_bound": sum(gathered.get(name, 0) for name in eligible),
+    }
+    out["reference_exceeds_bound"] = bool(reference and reference["seq_stated"]
+                                          and reference["saved"] > out["regather_bound"])
+    return out
+
+
+def _same_work_lines(sw: dict, reference: dict | None) -> list[str]:
+    recipe = sw["recipe"]
+    lines = []
+    if recipe is None:
+        lines.append("  Bridge PEFT recipe: none known for this preset")
+    else:
+        verdict = sw["differs_from_recipe"] or "the recipe's targets and dim"
+        lines.append(f"  Bridge {recipe['bridge']} PEFT recipe {recipe['function']} (its layout {recipe['layout']}): "
+                     f"LoRA on {_names(recipe['targets'])}, dim {recipe['dim']}, alpha {recipe['alpha']} -> {verdict}")
+    lines.append(f"  the most any re-gather frees on these targets (x_full of every eligible adapter): "
+                 f"{gb(sw['regather_bound'])}")
+    if sw["reference_exceeds_bound"]:
+        lines.append(f"  the reference's {reference['saved'] / 1e9:.3f} GB is more than that: its run most likely "
+                     "had more re-gather-eligible adapters than these targets give")
+    lines.append(f"  linear_proj's LoRA-A input ({sw['attention']} attention): {sw['linear_proj_input']}")
+    return lines
+
+
 def model_json(model: Model) -> dict:
     """The ``"model"`` entry of ``--json`` (its keys are the output format: ``experts`` is the count)."""
     return {"name": model.name, "hidden": model.hidden, "layers": model.layers, "heads": model.heads,
@@ -47,9 +121,12 @@ def run_json(model: Model, run: Run) -> dict:
             "dispatcher": model.dispatcher}
 
 
-def as_json(model: Model, run: Run, result: dict, reference: dict | None = None) -> dict:
-    return {"model": model_json(model), "run": run_json(model, run), "experts": expert_layout(model, run),
-            "strategies": result, "reference_saved": reference}
+def as_json(model: Model, run: Run, result: dict, reference: dict | None = None, same: dict | None = None) -> dict:
+    out = {"model": model_json(model), "run": run_json(model, run), "experts": expert_layout(model, run),
+           "strategies": result, "reference_saved": reference}
+    if same is not None:  # only where asked: the default document is unchanged
+        out["same_work"] = same
+    return out
 
 
 def gb(n: int) -> str:
@@ -72,7 +149,8 @@ def _expert_lines(model: Model, run: Run) -> list[str]:
             f"{run.etp} = {layout['routed_rows']} (mean over the EP x ETP group; exact for dropless routing)"]
 
 
-def format_report(model: Model, run: Run, result: dict, reference: dict | None = None) -> str:
+def format_report(model: Model, run: Run, result: dict, reference: dict | None = None,
+                  same: dict | None = None) -> str:
     eligible = eligible_per_layer(model, run)
     lines = [
         f"{model.name}: h={model.hidden}, {model.layers} layers ({layers_here(model, run)} on this GPU), "
@@ -89,7 +167,14 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
     ]
     if reference:
         lines.append(f"reference measured (peak-memory drop, sequence_parallel_input_regather=True, "
-                     f"{reference['note']}): {gb(reference['saved'])}")
+                     f"{reference['note']}): {gb(reference['saved'])}"
+                     + (f"; this estimate: LoRA on {_names(run.targets)}, r={run.lora_rank} (the reference does "
+                        "not state its targets)" if same else ""))
+    if same:
+        if not reference:
+            lines.append(f"this estimate: LoRA on {_names(run.targets)}, r={run.lora_rank} (no reference measurement "
+                         "at this layout)")
+        lines += _same_work_lines(same, reference)
     lines.append("")
     for name, row in result.items():
         lines.append(f"[{name}]")
@@ -111,6 +196,9 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
             lines.append(f"  inputs recomputed           : {done}")
             for why, n in row["kept_by_reason"].items():
                 lines.append(f"    kept: {n} x {_short(why)}")
+        if row.get("shared_by_target"):
+            shared = ", ".join(f"{k} {v}" for k, v in row["shared_by_target"].items())
+            lines.append(f"  inputs kept anyway, 0 new B : {shared} (the attention output)")
         comm = row["extra_comm_bytes"]
         if comm:
             kinds = ", ".join(f"{k} {v / 2**20:+,.1f} MiB" for k, v in comm.items())

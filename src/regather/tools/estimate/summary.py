@@ -48,6 +48,17 @@ def recompute_summary(model: Model, run: Run, strategy: str) -> dict:
             "kept_by_reason": kept}
 
 
+def shared_summary(model: Model, run: Run, strategy: str) -> dict:
+    """How many adapters, by target, read a tensor their producer keeps anyway for its own backward
+    (0 new bytes without any recompute: ``linear_proj`` under an attention that keeps its output)."""
+    shared: dict[str, int] = {}
+    for row in adapter_inputs(model, run, strategy):
+        for a in row:
+            if a.shared_with:
+                shared[a.target] = shared.get(a.target, 0) + a.adapters
+    return shared
+
+
 def comm_changes(model: Model, run: Run, strategy: str) -> list[tuple[str, int, str]]:
     """Collectives a strategy adds (+) or removes (-) against the gather path, per micro-batch:
     ``[(kind, signed bytes received per rank, what), ...]`` summed over the eligible adapters
@@ -75,7 +86,8 @@ def saved_vs_gather(model: Model, run: Run, strategy: str) -> int:
 
 def estimate(model: Model, run: Run, strategies=ALL_STRATEGIES) -> dict:
     """Per strategy: adapter-input bytes (dense and expert adapters), saved vs gather, extra comm
-    (net by kind, and the bytes of the collectives it adds). ``…-recompute`` rows also give
+    (net by kind, and the bytes of the collectives it adds), and which adapters read a tensor kept
+    anyway (``shared_by_target``, only when there is one). ``…-recompute`` rows also give
     the saving for both states of the decoder input (frozen embeddings: layer 0's qkv keeps
     its shard; an input that requires grad: it recomputes too) and what recomputes."""
     out = {}
@@ -91,6 +103,9 @@ def estimate(model: Model, run: Run, strategies=ALL_STRATEGIES) -> dict:
             "extra_comm_total": sum(comm.values()),
             "added_comm_bytes": sum(n for _, n, _ in changes if n > 0),
         }
+        shared = shared_summary(model, run, name)
+        if shared:  # only where asked (--attention fused): the default document is unchanged
+            row["shared_by_target"] = shared
         if split_strategy(name)[1]:
             row["saved_vs_gather_frozen_input"] = saved_vs_gather(model, replace(run, input_requires_grad=False), name)
             row["saved_vs_gather_input_requires_grad"] = saved_vs_gather(
