@@ -1,4 +1,5 @@
-"""A reason is logged once per model, whatever numbers it carries; the numbers stay visible.
+"""A reason is logged once per model, whatever numbers it carries; the numbers stay visible. (And
+SavedBytes counts a storage saved at a freed storage's address apart: numbers come from counting.)
 
 A :class:`~regather.core.decision.Reason` is one sentence for every adapter and layer it applies
 to, and carries what was measured (a difference, a rank) as its ``detail``: the fallback log keys
@@ -43,3 +44,25 @@ def test_decisions_show_the_detail_and_survive_pickling():
     assert back == d and back.recompute_reason.detail == "max |diff| 0.5"
     assert reason == SENTENCE and hash(reason) == hash(SENTENCE)  # compares as its sentence
     assert described("plain sentence") == "plain sentence"
+
+
+def test_saved_bytes_counts_a_storage_at_a_reused_address_apart():
+    """A storage saved and freed inside the block (a graph branch nothing keeps) leaves its address
+    to a later allocation; a tensor saved there later is another storage and counts too. Two
+    storages over one Python buffer have the same address, as a reused allocation would."""
+    import torch
+
+    from regather.core.accounting import SavedBytes
+
+    buf = bytearray(64 * 4)
+    w = torch.ones(64, requires_grad=True)
+    with SavedBytes(exclude=[w]) as saved:
+        first = torch.frombuffer(buf, dtype=torch.float32)
+        branch = first * w  # saves `first` (256 B) for w's gradient
+        address = first.untyped_storage().data_ptr()
+        del branch, first  # the branch is dropped: its saved storage is freed
+        second = torch.frombuffer(buf, dtype=torch.float32)
+        assert second.untyped_storage().data_ptr() == address
+        kept = second * w
+    assert saved.total == 2 * 64 * 4
+    assert kept.requires_grad

@@ -41,6 +41,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from regather.core.unwrap import plain, wrapper_types
@@ -77,7 +78,12 @@ class SavedBytes:
     def __init__(self, exclude: Iterable[torch.Tensor] = (), model: torch.nn.Module | None = None):
         self._exclude = {_storage_key(p)[0] for p in exclude}
         self._model = model
-        self._seen: dict[tuple, tuple[str, int]] = {}
+        # key -> (label, bytes, a weak reference to the storage). A storage saved and freed inside
+        # the block (a branch of the graph nothing kept) leaves its address to later allocations:
+        # a storage saved there later is another storage and counts on its own (the freed one's
+        # entry moves aside), instead of passing for the first one
+        self._seen: dict[tuple, tuple[str, int, StorageWeakRef]] = {}
+        self._freed = 0  # entries moved aside
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     @classmethod
@@ -93,9 +99,19 @@ class SavedBytes:
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and plain(t).device.type != "meta":
             key, nbytes = _storage_key(t)
-            if key not in self._exclude and key not in self._seen and key not in self._alive():
-                self._seen[key] = (getattr(_LABEL, "name", None) or "other", nbytes)
+            seen = self._seen.get(key)
+            if (key not in self._exclude and (seen is None or seen[2].expired())
+                    and key not in self._alive()):
+                if seen is not None:  # the freed storage that held this address keeps its entry
+                    self._freed += 1
+                    self._seen[("freed", self._freed)] = self._seen.pop(key)
+                name = getattr(_LABEL, "name", None) or "other"
+                self._seen[key] = (name, nbytes, StorageWeakRef(plain(t).untyped_storage()))
+                self.counted(name, nbytes)
         return t
+
+    def counted(self, name: str, nbytes: int) -> None:
+        """Called for each new storage counted, with its label (for subclasses that attribute it)."""
 
     def __enter__(self):
         self._hooks.__enter__()
@@ -106,11 +122,11 @@ class SavedBytes:
 
     @property
     def total(self) -> int:
-        return sum(n for _, n in self._seen.values())
+        return sum(n for _, n, _ in self._seen.values())
 
     def by_label(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
-        for name, n in self._seen.values():
+        for name, n, _ in self._seen.values():
             out[name] += n
         return dict(out)
 

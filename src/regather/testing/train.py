@@ -231,14 +231,9 @@ class AdapterSavedBytes(SavedBytes):
     def _enter(self, path: str | None) -> None:
         self._current = path
 
-    def _pack(self, t):
-        before = len(self._seen)
-        out = super()._pack(t)
-        if len(self._seen) > before and self._current is not None:
-            name, nbytes = next(reversed(self._seen.values()))
-            if name.startswith(ADAPTER_INPUT):
-                self.by_adapter[self._current] += nbytes
-        return out
+    def counted(self, name: str, nbytes: int) -> None:
+        if self._current is not None and name.startswith(ADAPTER_INPUT):
+            self.by_adapter[self._current] += nbytes
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
