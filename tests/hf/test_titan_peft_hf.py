@@ -14,10 +14,10 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import titan_harness
+from regather.testing import torchtitan_models
 
-if titan_harness.missing():
-    pytest.skip(titan_harness.missing(), allow_module_level=True)
+if torchtitan_models.missing():
+    pytest.skip(torchtitan_models.missing(), allow_module_level=True)
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 

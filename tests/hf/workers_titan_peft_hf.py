@@ -16,10 +16,12 @@ import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import titan_harness as H
 import torch
 import torch.distributed as dist
-from workers_titan import LLAMA3_RUNS, converter
+from workers_titan import LLAMA3_RUNS
+
+from regather.testing import torchtitan_models as H
+from regather.testing.torchtitan_models import converter
 
 
 def hf_config(config):

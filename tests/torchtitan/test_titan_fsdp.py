@@ -6,10 +6,11 @@ parameters FSDP2 swaps in per block as parameters (alive when saved), not as act
 """
 
 import pytest
-import titan_harness
 
-if titan_harness.missing():
-    pytest.skip(titan_harness.missing(), allow_module_level=True)
+from regather.testing import torchtitan_models
+
+if torchtitan_models.missing():
+    pytest.skip(torchtitan_models.missing(), allow_module_level=True)
 
 import torch
 import workers_titan as W

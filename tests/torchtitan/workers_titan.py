@@ -1,13 +1,14 @@
 """Rank bodies for the tests against the real torchtitan 0.3.0 (tests/torchtitan): each builds models
-with the harness (titan_harness.py) and returns what the tests compare, one spawn per file."""
+with the harness (regather.testing.torchtitan_models) and returns what the tests compare, one spawn per file."""
 
 from __future__ import annotations
 
 import logging
 
-import titan_harness as H
 import torch
 import torch.distributed as dist
+
+from regather.testing import torchtitan_models as H
 
 # the runs of the llama3 comparison: name -> regather's fields (None: torchtitan's own converter)
 LLAMA3_RUNS = {
@@ -41,15 +42,7 @@ def _capture_logs() -> _Records:
     return handler
 
 
-def converter(fields: dict | None, **kw):
-    """torchtitan's LoRAConverter.Config (``fields`` None) or regather's with ``fields``."""
-    if fields is None:
-        from torchtitan.components.lora import LoRAConverter
-
-        return LoRAConverter.Config(**dict(H.KW, **kw))
-    from regather.torchtitan import LoRAConverter
-
-    return LoRAConverter.Config(**dict(H.KW, **kw), **fields)
+converter = H.converter  # torchtitan's LoRAConverter.Config (fields None) or regather's
 
 
 def measure(model, dtype=None) -> dict:
@@ -237,19 +230,20 @@ TRAINED = {"torchtitan": None, "gather": LLAMA3_RUNS["gather"], "regather": LLAM
 def _train(model) -> dict:
     """``STEPS`` steps through torchtitan's own optimizer section of ``Trainer.train_step``:
     ``clip_grad_norm_``, the AdamW ``OptimizersContainer``, the LR schedulers."""
-    import torchtitan.distributed.utils as dist_utils
     from torch.distributed.tensor import DTensor, Replicate
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.components.optimizer import LRSchedulersContainer
 
-    optimizers = default_adamw(lr=8e-4).build(model_parts=[model])
+    from regather.testing.torchtitan_train import clip_and_step
+    from regather.testing.torchtitan_train import optimizers as adamw
+
+    optimizers = adamw(model, lr=8e-4)
     schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
                                               min_lr_factor=0.0).build(optimizers=optimizers, training_steps=10)
     losses = []
     for _ in range(STEPS):
         optimizers.zero_grad()
         losses.append(H.step(model)[0])
-        dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True, pp_mesh=None, ep_enabled=False)
-        optimizers.step()
+        clip_and_step(model, optimizers, 1.0)
         schedulers.step()
     weights = {n: p.detach().full_tensor() for n, p in model.named_parameters() if p.requires_grad}
     drift = 0.0  # replicated LoRA weights must stay the same on every TP rank

@@ -1,0 +1,175 @@
+"""torchtitan's LoRA and regather's variants trained side by side on one process group: what
+``regather bench --torchtitan`` measures on each rank.
+
+Variant names: ``torchtitan`` (torchtitan 0.3.0's own ``LoRAConverter``, the baseline: its "gather"),
+``<strategy>`` for regather's converter with ``sequence_parallel_input_strategy=<strategy>``
+(``gather``, ``regather``, ``lowrank``), and the options as suffixes, in this order: ``-plain``
+(``early_regather=False``) and ``-recompute`` (``recompute_adapter_inputs=True``) —
+``regather-plain``, ``regather-recompute``, ``lowrank-recompute``.
+
+:func:`compare_titan` builds one model per variant from the same parameter values (each from its
+name), then trains them on the same batches, step ``i`` running each variant once in an order
+rotated by ``i``, each after a barrier; a step is torchtitan's ``train_step`` on one micro-batch:
+forward, loss, backward, ``clip_grad_norm_`` and its AdamW ``OptimizersContainer``. Step 0 is
+counted: the storages autograd saves in the forward (by label: regather's adapters and, through
+:func:`~regather.testing.torchtitan_models.label_adapter_inputs`, torchtitan's label what LoRA-A
+saves ``adapter_input:<kind>``), and the collective bytes of forward, backward and the optimizer
+step (``CollectiveBytes(functional=True)``: DTensor's functional collectives too). The frozen model
+(no adapter) is counted once, not trained.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from regather.core.accounting import CollectiveBytes
+from regather.testing import torchtitan_models as M
+
+BASELINE = "torchtitan"
+STRATEGIES = ("gather", "regather", "lowrank")
+OPTIONS = {"plain": ("early_regather", False), "recompute": ("recompute_adapter_inputs", True)}
+#: every variant, the baseline first
+VARIANTS = (BASELINE, "gather", "regather", "regather-plain", "lowrank", "gather-recompute", "regather-recompute",
+            "lowrank-recompute")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def variant_fields(name: str) -> dict | None:
+    """regather's converter fields of a variant (None: torchtitan's own converter)."""
+    if name == BASELINE:
+        return None
+    strategy, *options = name.split("-")
+    if strategy not in STRATEGIES or len(set(options)) != len(options) or any(o not in OPTIONS for o in options) \
+            or options != sorted(options, key=list(OPTIONS).index):
+        raise ValueError(f"unknown torchtitan variant {name!r}: expected {BASELINE} or <strategy>[-plain][-recompute] "
+                         f"with a strategy of {', '.join(STRATEGIES)}")
+    if "plain" in options and strategy != "regather":
+        raise ValueError(f"torchtitan variant {name!r}: -plain (early_regather=False) is regather's option")
+    return dict([("sequence_parallel_input_strategy", strategy)] + [OPTIONS[o] for o in options])
+
+
+def base_variant(name: str) -> str:
+    """The variant without options (``regather-recompute`` -> ``regather``)."""
+    return name if name == BASELINE else name.split("-")[0]
+
+
+@dataclass(frozen=True)
+class TitanRun:
+    """One comparison: the model and its batches, the layout, the LoRA, the steps."""
+
+    shape: M.TinyLlama3 = M.DEFAULT
+    tp: int = 2
+    dtype: str = "float32"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    targets: tuple = tuple(M.TARGETS)
+    steps: int = 4
+    lr: float = 8e-4
+    max_norm: float = 1.0  # torchtitan's default clip
+    seed: int = 1234
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def build(self, name: str | None, pd):
+        """The model of variant ``name`` (None: the frozen model, no adapter)."""
+        kw = dict(rank=self.lora_rank, alpha=float(self.lora_alpha), target_modules=list(self.targets))
+        conv = M.converter(None, **dict(kw, target_modules=[])) if name is None else \
+            M.converter(variant_fields(name), **kw)
+        model = M.build(M.model_config(conv, shape=self.shape), pd, dtype=self.torch_dtype)
+        M.label_adapter_inputs(model)
+        return model
+
+
+def optimizers(model, lr: float):
+    """torchtitan's AdamW ``OptimizersContainer`` over the model's trainable parameters."""
+    from torchtitan.components.optimizer import default_adamw
+
+    return default_adamw(lr=lr).build(model_parts=[model])
+
+
+def clip_and_step(model, opts, max_norm: float = 1.0) -> None:
+    """The optimizer part of torchtitan's ``train_step``: ``clip_grad_norm_`` (where a partial LoRA-A
+    gradient is reduced, as torchtitan's own is), then the optimizers' step."""
+    import torchtitan.distributed.utils as dist_utils
+
+    dist_utils.clip_grad_norm_(list(model.parameters()), max_norm, foreach=True, pp_mesh=None,
+                               ep_enabled=False)
+    opts.step()
+
+
+def _scalar(loss: torch.Tensor) -> float:
+    return float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+
+
+def _counted(model, opts, run: TitanRun, step: int) -> tuple[float, dict]:
+    loss, saved, comm = M.step(model, dtype=run.torch_dtype, shape=run.shape, seed=run.seed + step)
+    with CollectiveBytes(functional=True) as opt:
+        clip_and_step(model, opts, run.max_norm)
+    return _scalar(loss), {
+        "saved_bytes": saved.total, "saved_bytes_by_label": saved.by_label(),
+        "comm_bytes": {"forward": comm["fwd_bytes"], "backward": comm["bwd_bytes"], "optimizer": dict(opt.bytes)},
+        "comm_calls": {"forward": comm["fwd"], "backward": comm["bwd"], "optimizer": dict(opt.calls)},
+    }
+
+
+def _timed(model, opts, run: TitanRun, step: int) -> float:
+    cast = run.torch_dtype
+    hook = model.tok_embeddings.register_forward_hook(lambda m, a, out: out.detach().to(cast).requires_grad_(True))
+    inp, labels = M.tokens(run.shape, run.seed + step)
+    try:
+        pred = model(inp, M.positions(run.shape))
+    finally:
+        hook.remove()
+    loss = M.loss_of(pred, labels)
+    loss.backward()
+    clip_and_step(model, opts, run.max_norm)
+    return _scalar(loss.detach())
+
+
+def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[str],
+                  progress: Callable[[str, int, float], None] | None = None) -> dict:
+    """Train one model per variant side by side; return ``{variant: result}`` and ``"frozen"``'s
+    counted bytes. A result: ``loss`` and ``step_time`` per step, step 0's counts (``saved_bytes``,
+    ``saved_bytes_by_label``, ``comm_bytes`` / ``comm_calls`` by phase and kind), the last step's
+    trainable gradients as full tensors (``grads``), and regather's ``decisions``."""
+    from regather.torchtitan import decisions
+
+    pd = M.parallel_dims(tp=run.tp)
+    frozen = run.build(None, pd)
+    _, saved, _ = M.step(frozen, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
+    out = {"frozen": {"saved_bytes": saved.total, "saved_bytes_by_label": saved.by_label()}}
+    del frozen
+    models = {name: run.build(name, pd) for name in variants}
+    opts = {name: optimizers(model, run.lr) for name, model in models.items()}
+    for name in variants:
+        out[name] = {"loss": [], "step_time": []}
+    for step in range(run.steps):
+        k = step % len(variants)
+        for name in list(variants[k:]) + list(variants[:k]):
+            model, res = models[name], out[name]
+            opts[name].zero_grad()
+            dist.barrier()
+            t0 = time.perf_counter()
+            if step == 0:
+                loss, counts = _counted(model, opts[name], run, step)
+                res.update(counts)
+            else:
+                loss = _timed(model, opts[name], run, step)
+            dt = time.perf_counter() - t0
+            res["step_time"].append(dt)
+            res["loss"].append(loss)
+            if step == run.steps - 1:
+                res["grads"] = {n: g.detach().float().clone() for n, g in M.lora_grads(model).items()}
+            if progress is not None:
+                progress(name, step, dt)
+    for name in variants:
+        out[name]["decisions"] = {path: str(d) for path, d in decisions(models[name]).items()}
+    return out
