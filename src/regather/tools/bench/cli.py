@@ -12,6 +12,11 @@ Strategies: every one this build implements, and the variants of
 with the ``<strategy>-recompute-redispatch`` variants too::
 
     regather bench --moe --tp 2 --ep 2 --experts sequential --out DIR
+
+``--torchtitan`` measures regather's torchtitan front end on torchtitan 0.3.0's llama3 (its sharding
+config, TP + SP) against torchtitan's own ``LoRAConverter`` (:mod:`regather.tools.bench.titan`)::
+
+    regather bench --torchtitan --hidden 256 --heads 16 --ffn 768 --vocab 2048 --seq 128 --out DIR
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ from regather.core.shapes import EXPERT_KINDS
 from regather.megatron.canonical import CANONICAL_TARGETS
 from regather.tools.bench.moe import DEFAULT_VARIANTS, DISPATCHERS, MoEBenchSpec
 from regather.tools.bench.runner import DEFAULT_TARGETS, BenchSpec
+from regather.tools.bench.titan import TITAN_TARGETS, TitanBenchSpec
 
 
 def _strategies(value: str) -> tuple:
     from regather.testing.moe_train import moe_variants
+    from regather.testing.torchtitan_train import VARIANTS
     from regather.tools.bench.runner import available_strategies
 
-    known = list(dict.fromkeys(available_strategies() + moe_variants()))  # --moe has -recompute-redispatch
+    # --moe has -recompute-redispatch, --torchtitan torchtitan (its own LoRA)
+    known = list(dict.fromkeys(available_strategies() + moe_variants() + list(VARIANTS)))
     names = tuple(v.strip().lower() for v in value.split(",") if v.strip())
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -61,7 +69,7 @@ def register(subparsers) -> None:
     g.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
     g.add_argument("--targets", type=_targets, default=None,
                    help=f"comma list (default: {','.join(DEFAULT_TARGETS)}; with --canonical: "
-                        f"{','.join(CANONICAL_TARGETS)})")
+                        f"{','.join(CANONICAL_TARGETS)}; with --torchtitan: {','.join(TITAN_TARGETS)})")
     g.add_argument("--canonical", action="store_true",
                    help="regather.CanonicalLoRA (one adapter per q, k, v, gate, up) on a gated SwiGLU GPT; reports "
                         "the q/k/v and gate/up adapter inputs beside Megatron Bridge's CanonicalLoRA (5 x_full a layer)")
@@ -95,12 +103,19 @@ def register(subparsers) -> None:
     m.add_argument("--shared-expert-ffn", type=int, default=dm.shared_expert_ffn, help="0: no shared expert")
     m.add_argument("--moe-layer-freq", type=int, default=dm.moe_layer_freq,
                    help="every n-th layer is MoE, the others dense (--ffn)")
+    t = p.add_argument_group("torchtitan (--torchtitan; ranks = tp)")
+    t.add_argument("--torchtitan", action="store_true",
+                   help="torchtitan 0.3.0's llama3 under its own sharding config (TP + SP, partial_dtensor): torchtitan's "
+                        "LoRAConverter (variant torchtitan) against regather's (default: all of gather, regather, "
+                        "regather-plain, lowrank and their -recompute variants); bytes per adapter kind")
     p.set_defaults(func=main)
 
 
 def spec_from_args(args) -> BenchSpec:
     from regather.tools.bench.runner import available_strategies
 
+    if getattr(args, "torchtitan", False):
+        return titan_spec_from_args(args)
     if getattr(args, "moe", False):
         return moe_spec_from_args(args)
     dm = MoEBenchSpec()
@@ -142,22 +157,44 @@ def moe_spec_from_args(args) -> MoEBenchSpec:
     return spec
 
 
+def titan_spec_from_args(args) -> TitanBenchSpec:
+    """The ``--torchtitan`` spec; exits with every problem of the combination given."""
+    dm = MoEBenchSpec()
+    other = ["--moe"] if args.moe else []
+    other += [f"--{n.replace('_', '-')}" for n in _MOE_OPTIONS if getattr(args, n, None) != getattr(dm, n, False)]
+    other += ["--canonical"] if args.canonical else []
+    other += ["--input-requires-grad (always: the embedding output requires grad)"] if args.input_requires_grad else []
+    if other:
+        raise SystemExit(f"regather bench --torchtitan: {', '.join(other)}: not with --torchtitan")
+    targets = TITAN_TARGETS if args.targets is None else tuple(args.targets)
+    spec = TitanBenchSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, vocab=args.vocab,
+                          kv_heads=args.kv_heads, tp=args.tp, seq=args.seq, micro_batch=args.micro_batch,
+                          dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, targets=targets,
+                          steps=args.steps, warmup=args.warmup, strategies=tuple(args.strategies or ()),
+                          timeout=args.timeout, quiet=args.quiet)
+    problems = spec.problems()
+    if problems:
+        raise SystemExit("regather bench --torchtitan: " + "; ".join(problems))
+    return spec
+
+
 def main(args) -> int:
-    from regather.tools.bench import moe, moe_report, report, runner
+    from regather.tools.bench import moe, moe_report, report, runner, titan, titan_report
 
     if args.render:
         import json
 
         with open(args.render) as f:
             summary = json.load(f)
-        shown = moe_report if summary.get("mode") == "moe" else report
+        shown = {"moe": moe_report, "torchtitan": titan_report}.get(summary.get("mode"), report)
         print(shown.text_table(summary))
         for path in shown.write(summary, args.out) if args.out else ():
             print(f"wrote {path}")
         return 0
     spec = spec_from_args(args)
-    shown = moe_report if isinstance(spec, MoEBenchSpec) else report
-    summary = (moe if shown is moe_report else runner).run(spec)
+    shown, bench = ((titan_report, titan) if isinstance(spec, TitanBenchSpec) else
+                    (moe_report, moe) if isinstance(spec, MoEBenchSpec) else (report, runner))
+    summary = bench.run(spec)
     summary["command"] = shown.command_line(summary["spec"], args.out)
     summary["env"] = report.environment()
     print(shown.text_table(summary))

@@ -1,0 +1,176 @@
+"""Present a ``regather bench --torchtitan`` summary: terminal tables, markdown, JSON (no chart).
+
+Three tables: what each variant's first forward keeps per adapter kind beside torchtitan's LoRA and
+the frozen model; what its first step sends, by phase, and the extra against torchtitan's LoRA; its
+step time against torchtitan's LoRA and against its own strategy, and its parity with torchtitan's.
+Below them every variant's decisions.
+"""
+
+from __future__ import annotations
+
+from regather.tools.bench import report
+from regather.tools.bench.titan import PHASES, TITAN_TARGETS
+
+
+def command_line(spec: dict, out: str | None = None) -> str:
+    """The full ``regather bench --torchtitan`` command that reproduces ``spec``."""
+    rest = report.command_line(spec, out)[len("regather bench "):]
+    return "regather bench --torchtitan " + rest
+
+
+def _unit(summary: dict) -> tuple[str, float]:
+    biggest = max(r["saved_bytes"] for r in summary["strategies"].values())
+    return ("MiB", 2.0**20) if biggest >= 8 * 2**20 else ("KiB", 1024.0)
+
+
+def _num(n: float, scale: float, digits: int = 2) -> str:
+    return f"{n / scale:,.{digits}f}"
+
+
+def _signed(parts: dict, scale: float) -> str:
+    return ", ".join(f"{k.replace('_', '-')} {n / scale:+,.2f}" for k, n in parts.items() if n) or "0"
+
+
+def kinds(summary: dict) -> list[str]:
+    seen = {k for r in summary["strategies"].values() for k in r["adapter_input_by_kind"]}
+    targets = [t for t in TITAN_TARGETS if t in summary["spec"]["targets"]]
+    return targets + sorted(seen - set(targets))
+
+
+def bytes_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    unit, scale = _unit(summary)
+    ks = kinds(summary)
+    head = ["variant"] + ks + [f"all LoRA-A inputs {unit}", f"LoRA over frozen {unit}", f"retained {unit}"]
+    frozen = summary["frozen"]["saved_bytes"]
+    rows = [["frozen (no LoRA)"] + ["-"] * len(ks) + ["-", _num(0, scale), _num(frozen, scale)]]
+    for name, r in report.ordered(summary):
+        by = r["adapter_input_by_kind"]
+        rows.append([name] + [_num(by.get(k, 0), scale) for k in ks]
+                    + [_num(r["adapter_input_bytes"], scale), _num(r["lora_bytes_over_frozen"], scale),
+                       _num(r["saved_bytes"], scale)])
+    return head, rows
+
+
+def comm_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    unit, scale = _unit(summary)
+    head = ["variant"] + [f"{p} {unit}" for p in PHASES] + [f"step {unit}", f"extra vs torchtitan ({unit})"]
+    rows = []
+    for name, r in report.ordered(summary):
+        phases = [_num(sum(r["comm_bytes"][p].values()), scale) for p in PHASES]
+        rows.append([name] + phases + [_num(sum(r["comm_bytes_total"].values()), scale),
+                                       _signed(r["comm_bytes_extra_vs_torchtitan"], scale)
+                                       if name != summary["baseline"] else "-"])
+    return head, rows
+
+
+def _ratio(r: dict, what: str) -> str:
+    if f"step_time_ratio_vs_{what}" not in r:
+        return "-"
+    return f"{r[f'step_time_ratio_vs_{what}']:.3f} / {r[f'paired_step_time_ratio_vs_{what}']:.3f}"
+
+
+def time_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["variant", "median step ms", "x torchtitan (median / paired)", "x its strategy (median / paired)",
+            "max Δloss", "max Δgrad (rel)", "vs torchtitan's LoRA"]
+    rows = []
+    for name, r in report.ordered(summary):
+        same = "(reference)" if name == summary["baseline"] else \
+            "bit-identical" if r["bit_identical_to_torchtitan"] else "differs (summation order)"
+        rows.append([name, f"{r['median_step_time'] * 1e3:.1f}", _ratio(r, "torchtitan"),
+                     f"{_ratio(r, 'base')} vs {r['variant_of']}" if r.get("variant_of") else "-",
+                     f"{r['max_abs_loss_diff']:.1e}", f"{r['max_abs_grad_diff']:.1e} ({r['max_rel_grad_diff']:.1e})",
+                     same])
+    return head, rows
+
+
+def _text(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return [line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
+
+
+def _md(head: list[str], rows: list[list[str]]) -> list[str]:
+    return (["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def notes(summary: dict) -> list[str]:
+    """The decisions of every variant's adapters."""
+    out = []
+    for name, r in report.ordered(summary):
+        if not r["decisions"]:
+            out.append(f"{name}: torchtitan's LoRALinear (no decisions; its LoRA-A labelled for the count)")
+            continue
+        text = " + ".join(f"{n} {s}" for s, n in r["adapters_by_strategy"].items())
+        inputs = r.get("adapter_inputs") or {}
+        if inputs:
+            text += "; inputs " + ", ".join(f"{k}: {n}" for k, n in inputs.items())
+        out.append(f"{name}: adapters {text}")
+    return out
+
+
+def text_table(summary: dict) -> str:
+    unit, _ = _unit(summary)
+    lines = [f"saved in the first forward per rank, {unit} (LoRA-A inputs by adapter kind: {', '.join(kinds(summary))}):"]
+    lines += _text(*bytes_rows(summary))
+    lines += ["", f"communication of the first step per rank, {unit}:"]
+    lines += _text(*comm_rows(summary))
+    lines += ["", "step time (slowest rank) and parity with torchtitan's LoRA:"]
+    lines += _text(*time_rows(summary))
+    return "\n".join(lines + [""] + notes(summary))
+
+
+def spec_line(spec: dict) -> str:
+    kv = f" ({spec['kv_heads']} kv)" if spec.get("kv_heads") else ""
+    return (f"torchtitan llama3, {spec['layers']} layers, dim {spec['hidden']}, {spec['heads']} heads{kv}, "
+            f"ffn {spec['ffn']}, vocab {spec['vocab']}; its sharding config, TP={spec['tp']} + SP, partial_dtensor; "
+            f"seq {spec['seq']}, batch {spec['micro_batch']}, {spec['dtype']}, LoRA rank {spec['lora_rank']} alpha "
+            f"{spec['lora_alpha']} on {', '.join(spec['targets'])}; {spec['steps']} steps (torchtitan's "
+            f"clip_grad_norm_ and AdamW, lr {spec['lr']}), first {spec['warmup']} not timed")
+
+
+def header(summary: dict) -> list[str]:
+    lines = report.header(summary, "regather bench --torchtitan", summary["spec"]["tp"], spec_line(summary["spec"]))
+    software = next(i for i, line in enumerate(lines) if line.startswith("- software:"))
+    env = summary["env"]
+    lines[software] = (f"- software: Python {env['python']}, torch {env['torch']}, torchtitan "
+                       f"{summary.get('torchtitan', 'unknown')}, regather {env.get('git', 'unknown')}")
+    return lines
+
+
+def markdown(summary: dict) -> str:
+    unit = _unit(summary)[0]
+    lines = header(summary)
+    lines += [f"Saved in the first forward, per rank ({unit}; LoRA-A inputs by adapter kind):", ""]
+    lines += _md(*bytes_rows(summary))
+    lines += ["", f"Communication of the first step, per rank ({unit}):", ""]
+    lines += _md(*comm_rows(summary))
+    lines += ["", "Step time (slowest rank per step) and parity with torchtitan's LoRA:", ""]
+    lines += _md(*time_rows(summary))
+    lines += [""] + [f"- {n}" for n in notes(summary)] + [
+        "",
+        "Definitions (docs/design.md §7): *retained* = unique storages autograd saved in the first forward",
+        "(parameters excluded), rank 0 (every rank's equal: `saved_bytes_same_on_all_ranks`); *LoRA-A input",
+        "<kind>* = what the adapters of that kind saved for LoRA-A, every layer summed (torchtitan's",
+        "`LoRALinear` labels nothing: its LoRA-A calls are labelled for the count, numerics unchanged; `w1`",
+        "and `w3` read one storage, counted under `w1`, which runs first; `wo`'s input is the attention's own",
+        "saved output, counted there); *LoRA over frozen* = retained minus the frozen model's (no adapter,",
+        "same run): the LoRA-A inputs plus the rank-r tensors LoRA-B keeps. *Communication* = bytes received",
+        "per rank under ring algorithms, every collective (torchtitan's DTensor redistributions through",
+        "`CollectiveBytes(functional=True)` and regather's own), by phase of the first step; *extra* = the",
+        "variant minus torchtitan's LoRA, by kind. Step times: slowest rank per step, median after warm-up;",
+        "*paired* = median of per-step ratios (the variants' steps interleave in one process group, order",
+        "rotated each step). Parity: max |Δloss| over the steps, max |Δgrad| over the last step's trainable",
+        "gradients (full tensors), relative = divided by torchtitan's largest |gradient|. Every variant",
+        "starts from the same parameter values (each from its name) and sees the same batches.",
+    ]
+    if summary["backend"] == "gloo":
+        lines.append("CPU times show relative cost only; absolute times need a GPU.")
+    return "\n".join(lines) + "\n"
+
+
+def write(summary: dict, out_dir: str) -> list[str]:
+    return report.write(summary, out_dir, markdown_of=markdown, chart_of=None)

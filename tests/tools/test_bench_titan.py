@@ -1,0 +1,130 @@
+"""``regather bench --torchtitan`` end to end on two gloo ranks (torchtitan 0.3.0's llama3, tiny shapes,
+3 steps), checked against formulas per adapter kind, and its command line.
+
+Per layer and rank (element size e, b·s tokens, TP t, LoRA rank r): torchtitan's LoRA keeps for LoRA-A
+wqkv's gathered input b·s·h·e, one gathered storage for w1 and w3 (counted under w1), w2's input
+b·s·ffn·e/t and nothing for wo (the attention's saved output); LoRA-B keeps five rank-r tensors
+5·b·s·r·e. regather keeps the shards b·s·h·e/t for wqkv and w1; with recompute only the rank-r tensors.
+"""
+
+import argparse
+import json
+
+import pytest
+
+from regather.testing import torchtitan_models
+
+if torchtitan_models.missing():
+    pytest.skip(torchtitan_models.missing(), allow_module_level=True)
+
+from regather.tools import cli
+from regather.tools.bench import cli as bench_cli
+from regather.tools.bench.cli import spec_from_args
+from regather.tools.bench.titan import TitanBenchSpec
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+E, B, S, H, FFN, R, L, T = 4, 2, 32, 64, 128, 8, 2, 2
+ARGV = ["bench", "--torchtitan", "--hidden", str(H), "--layers", str(L), "--heads", "4", "--kv-heads", "2",
+        "--ffn", str(FFN), "--vocab", "256", "--seq", str(S), "--micro-batch", str(B), "--lora-rank", str(R),
+        "--steps", "3", "--warmup", "1", "--quiet"]
+X_FULL = B * S * H * E      # the gathered input of wqkv / w1
+SHARD = X_FULL // T         # its sequence shard
+W2 = B * S * FFN * E // T   # w2's input
+RANK_R = 5 * B * S * R * E  # the rank-r tensors LoRA-B keeps, per layer
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-titan")
+    assert cli.main(ARGV + ["--out", str(out)]) == 0
+    return json.loads((out / "bench.json").read_text()), out
+
+
+def _kinds(wqkv, w1, w2) -> dict:
+    return dict(wqkv=L * wqkv, wo=0, w1=L * w1, w2=L * w2, w3=0)
+
+
+def test_bytes_per_adapter_kind(bench):
+    summary, _ = bench
+    rows = summary["strategies"]
+    assert list(rows) == ["torchtitan", "gather", "regather", "regather-plain", "lowrank", "gather-recompute",
+                          "regather-recompute", "lowrank-recompute"]
+    expected = {
+        "torchtitan": _kinds(X_FULL, X_FULL, W2), "gather": _kinds(X_FULL, X_FULL, W2),
+        "regather": _kinds(SHARD, SHARD, W2), "regather-plain": _kinds(SHARD, SHARD, W2),
+        "lowrank": _kinds(SHARD, SHARD, W2), "gather-recompute": _kinds(X_FULL, X_FULL, 0),
+        "regather-recompute": _kinds(0, 0, 0), "lowrank-recompute": _kinds(0, 0, 0),
+    }
+    frozen = summary["frozen"]["saved_bytes"]
+    assert summary["frozen"]["same_on_all_ranks"]
+    for name, kinds in expected.items():
+        row = rows[name]
+        got = {k: row["adapter_input_by_kind"].get(k, 0) for k in kinds}
+        assert got == kinds, name
+        assert row["adapter_input_bytes"] == sum(kinds.values()), name
+        # over the frozen model: LoRA-A's inputs and the rank-r tensors, nothing else
+        assert row["lora_bytes_over_frozen"] == row["saved_bytes"] - frozen == sum(kinds.values()) + L * RANK_R, name
+        assert row["saved_bytes_same_on_all_ranks"], name
+
+
+def test_collectives_against_torchtitans(bench):
+    summary, _ = bench
+    rows = summary["strategies"]
+    ag = SHARD * (T - 1)  # one all-gather of a shard, received per rank: out_bytes * (t-1)/t
+    rr = B * S * R * E * (T - 1) // T  # one rank-r all-gather / reduce-scatter
+    extra = {"torchtitan": {}, "gather": {}, "gather-recompute": {},
+             "regather": {"all_gather": 2 * L * ag}, "regather-recompute": {"all_gather": 2 * L * ag},
+             "regather-plain": {"all_gather": 3 * L * ag},  # w1 and w3 gather each
+             "lowrank": {"all_gather": 3 * L * rr, "reduce_scatter": 3 * L * rr},
+             "lowrank-recompute": {"all_gather": 3 * L * rr, "reduce_scatter": 3 * L * rr}}
+    for name, want in extra.items():
+        assert rows[name]["comm_bytes_extra_vs_torchtitan"] == want, name
+        assert rows[name]["comm_bytes_same_on_all_ranks"], name
+    assert rows["regather"]["comm_bytes"]["forward"] == rows["torchtitan"]["comm_bytes"]["forward"]
+    assert rows["lowrank"]["comm_bytes"]["backward"]["all_gather"] == \
+        rows["torchtitan"]["comm_bytes"]["backward"]["all_gather"]  # no h-wide gather again
+
+
+def test_parity_and_times(bench):
+    summary, _ = bench
+    for name, row in summary["strategies"].items():
+        assert len(row["step_times"]) == 3 and row["median_step_time"] > 0, name
+        assert row["paired_step_time_ratio_vs_torchtitan"] > 0, name
+        if name.startswith("lowrank"):
+            assert row["max_rel_grad_diff"] < 1e-5 and row["max_abs_loss_diff"] < 1e-5, name
+        else:
+            assert row["bit_identical_to_torchtitan"], name
+    assert summary["strategies"]["regather-recompute"]["variant_of"] == "regather"
+    assert "step_time_ratio_vs_base" in summary["strategies"]["regather-recompute"]
+    decisions = summary["strategies"]["regather-recompute"]["decisions"]
+    assert all(d.startswith("regather, input recomputed from ") for p, d in decisions.items()
+               if p.rsplit(".", 1)[-1] in ("wqkv", "w1", "w3"))
+
+
+def test_reports_state_command_and_software(bench, capsys):
+    _, out = bench
+    md = (out / "bench.md").read_text()
+    assert "`regather bench --torchtitan --hidden 64 --layers 2 --heads 4 --kv-heads 2" in md
+    assert "torchtitan 0.3.0" in md and "CPU times show relative cost only" in md
+    assert "| regather-recompute | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 |" in md
+    assert cli.main(["bench", "--render", str(out / "bench.json")]) == 0
+    assert "x torchtitan (median / paired)" in capsys.readouterr().out
+
+
+def test_command_line_refusals():
+    with pytest.raises(SystemExit, match="--ep: not with --torchtitan"):
+        spec_from_args(_args(["--ep", "4"]))
+    with pytest.raises(SystemExit, match="--ffn 127 is not divisible by --tp 2"):
+        spec_from_args(_args(["--ffn", "127"]))
+    with pytest.raises(SystemExit, match="torchtitan's llama3 linears are"):
+        spec_from_args(_args(["--targets", "linear_qkv"]))
+    spec = spec_from_args(_args(["--strategies", "regather,lowrank-recompute"]))
+    assert isinstance(spec, TitanBenchSpec) and spec.targets == ("wqkv", "wo", "w1", "w2", "w3")
+    assert spec.strategies == ("regather", "lowrank-recompute")
+
+
+def _args(extra):
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    return parser.parse_args(["bench", "--torchtitan", "--quiet"] + extra)
