@@ -146,7 +146,11 @@ class ActivationProducer:
             return CPU_OFFLOADING
         if getattr(cfg, "bias_activation_fusion", False) and not getattr(cfg, "use_te_activation_func", False):
             fn, gated = self.mlp.activation_func, getattr(cfg, "gated_linear_unit", False)
-            if not (fn is F.gelu or (fn is F.silu and gated)):
+            # megatron fuses gelu (plain or gated) and SwiGLU; and, in an expert MLP scaled by its
+            # routing probs (the only place megatron runs it fused), the gated, clamped quick-GeLU
+            quick_gelu = getattr(sys.modules[type(self.mlp).forward.__module__], "quick_gelu", None)
+            if not (fn is F.gelu or (fn is F.silu and gated) or (quick_gelu is not None and fn is quick_gelu
+                                                                  and gated)):
                 return f"bias-activation fusion with {getattr(fn, '__name__', fn)!r} is not one megatron fuses"
         return None
 
