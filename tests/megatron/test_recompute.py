@@ -661,3 +661,13 @@ def test_every_setup_ran_once_in_its_group(matrix, fallbacks):
             secs.update(ranks[0]["seconds"])
         print(f"{table}: {len(spawns.groups)} spawns, {sum(secs.values()):.1f} s in setups; "
               f"slowest {sorted(secs.items(), key=lambda kv: -kv[1])[:3]}")
+
+
+def test_decisions_after_a_forward_say_what_it_found(matrix):
+    """After a forward, ``regather.decisions`` reports what only a forward can find out: layer 0's
+    ``input_layernorm`` keeps nothing under frozen embeddings, so that input was kept (the forward
+    itself asks the norm again next time: the decision is not frozen)."""
+    r = variant_results(matrix, "fp32", "regather-rc")[0]
+    assert r["after"]["decoder.layers.0.self_attention.linear_qkv"] == (
+        "regather" + kept(FROZEN_INPUT)[:-1] + " (in the last forward))")
+    assert r["after"]["decoder.layers.1.self_attention.linear_qkv"] == "regather" + recomputed("input_layernorm")

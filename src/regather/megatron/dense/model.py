@@ -38,8 +38,9 @@ def adapters(model: nn.Module) -> dict[str, ParallelLinearAdapter]:
 
 
 def decisions(model: nn.Module) -> dict[str, Decision]:
-    """What each adapter would do if called now (strategy used and the reason)."""
-    return {path: a.decide() for path, a in adapters(model).items()}
+    """What each adapter would do if called now (strategy used and the reason), with what the
+    last forward found about rebuilding its input (a norm keeping nothing at layer 0)."""
+    return {path: a.decide(learned=True) for path, a in adapters(model).items()}
 
 
 def set_strategy(model: nn.Module, strategy: Strategy | str) -> None:

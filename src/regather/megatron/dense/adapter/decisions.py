@@ -47,6 +47,7 @@ class AdapterDecisions:
         self.fallback_log = None  # the model's fallback_log.FallbackLog, attached by regather.LoRA
         self.last_decision: Decision | None = None
         self._recompute_verified = False
+        self._last_capture_reason: str | None = None  # why the last forward kept its input, if it did
         self._logged_recompute = False
         self._logged = False
 
@@ -59,9 +60,14 @@ class AdapterDecisions:
         """The adapter's name in decisions and log lines (its path in the model once wrapped)."""
         return getattr(self, "qualified_name", self.facts.base_name)
 
-    def decide(self) -> Decision:
+    def decide(self, learned: bool = False) -> Decision:
         """The strategy this adapter would use if called now, and why (the recompute part as far
-        as it is known before a forward: each forward also checks its producer, see ``last_decision``)."""
+        as it is known before a forward: each forward also checks its producer, see ``last_decision``).
+
+        ``learned``: where the last forward found the input could not be rebuilt (a check only a
+        forward can make — a norm that keeps nothing because its input needs no gradient, layer 0
+        under frozen embeddings), say so, marked "in the last forward" (what ``regather.decisions``
+        reports; a forward itself always asks its producer again)."""
         state = RunState.capture(self, self.linear_in.weight)
         if self.strategy == Strategy.GATHER:
             decision = Decision(Strategy.GATHER, Strategy.GATHER, None)
@@ -73,6 +79,8 @@ class AdapterDecisions:
         why = self._recompute_unsupported(decision, state)
         if why is not None:
             return replace(decision, recompute_reason=why)
+        if learned and self._last_capture_reason is not None:
+            return replace(decision, recompute_reason=Reason(str(self._last_capture_reason), detail="in the last forward"))
         return replace(decision, recompute=self.producer.name)
 
     def _recompute_unsupported(self, decision: Decision, state: RunState) -> str | None:
@@ -103,6 +111,7 @@ class AdapterDecisions:
             self._log_recompute(decision)
             return KEEP
         captured = self.producer.capture(x)
+        self._last_capture_reason = captured if isinstance(captured, str) else None
         if not isinstance(captured, (str, tuple)):  # a ready source: expert inputs, verified per MoE layer
             return captured
         if not isinstance(captured, str) and not self._recompute_verified:
