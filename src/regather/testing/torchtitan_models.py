@@ -34,11 +34,12 @@ from regather.core import accounting
 from regather.core.accounting import CollectiveBytes, SavedBytes
 from regather.core.shapes import ModelShape
 from regather.testing.torchtitan_cpu import enable_torchtitan_cpu
+from regather.torchtitan import reasons
 
 #: what a torchtitan run imports: torchtitan and the two packages it imports that its pins bring
 NEEDED = ("torchtitan", "spmd_types", "tyro")
 #: every linear torchtitan's llama3 / qwen3 blocks have, by torchtitan's names
-TARGETS = ["wqkv", "wo", "w1", "w2", "w3"]
+TARGETS = list(reasons.TARGETS)
 
 
 def missing() -> str | None:

@@ -1,11 +1,11 @@
 """torchtitan's LoRA and regather's variants trained side by side on one process group: what
 ``regather bench --torchtitan`` measures on each rank.
 
-Variant names: ``torchtitan`` (torchtitan 0.3.0's own ``LoRAConverter``, the baseline: its "gather"),
-``<strategy>`` for regather's converter with ``sequence_parallel_input_strategy=<strategy>``
-(``gather``, ``regather``, ``lowrank``), and the options as suffixes, in this order: ``-plain``
-(``early_regather=False``) and ``-recompute`` (``recompute_adapter_inputs=True``) —
-``regather-plain``, ``regather-recompute``, ``lowrank-recompute``.
+Variant names (:func:`regather.torchtitan.options.variant_fields`): ``torchtitan`` (torchtitan 0.3.0's
+own ``LoRAConverter``, the baseline: its "gather"), ``<strategy>`` for regather's converter with
+``sequence_parallel_input_strategy=<strategy>`` (``gather``, ``regather``, ``lowrank``), and the
+options as suffixes, in this order: ``-plain`` (``early_regather=False``) and ``-recompute``
+(``recompute_adapter_inputs=True``) — ``regather-plain``, ``regather-recompute``, ``lowrank-recompute``.
 
 :func:`compare_titan` builds one model per variant from the same parameter values (each from its
 name), then trains them on the same batches, step ``i`` running each variant once in an order
@@ -30,33 +30,12 @@ from torch.distributed.tensor import DTensor
 
 from regather.core.accounting import CollectiveBytes
 from regather.testing import torchtitan_models as M
+from regather.torchtitan.options import BASELINE, VARIANTS, base_variant, variant_fields
 
-BASELINE = "torchtitan"
-STRATEGIES = ("gather", "regather", "lowrank")
-OPTIONS = {"plain": ("early_regather", False), "recompute": ("recompute_adapter_inputs", True)}
-#: every variant, the baseline first
-VARIANTS = (BASELINE, "gather", "regather", "regather-plain", "lowrank", "gather-recompute", "regather-recompute",
-            "lowrank-recompute")
+__all__ = ["BASELINE", "VARIANTS", "TitanRun", "base_variant", "clip_and_step", "compare_titan", "optimizers",
+           "variant_fields"]
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def variant_fields(name: str) -> dict | None:
-    """regather's converter fields of a variant (None: torchtitan's own converter)."""
-    if name == BASELINE:
-        return None
-    strategy, *options = name.split("-")
-    if strategy not in STRATEGIES or len(set(options)) != len(options) or any(o not in OPTIONS for o in options) \
-            or options != sorted(options, key=list(OPTIONS).index):
-        raise ValueError(f"unknown torchtitan variant {name!r}: expected {BASELINE} or <strategy>[-plain][-recompute] "
-                         f"with a strategy of {', '.join(STRATEGIES)}")
-    if "plain" in options and strategy != "regather":
-        raise ValueError(f"torchtitan variant {name!r}: -plain (early_regather=False) is regather's option")
-    return dict([("sequence_parallel_input_strategy", strategy)] + [OPTIONS[o] for o in options])
-
-
-def base_variant(name: str) -> str:
-    """The variant without options (``regather-recompute`` -> ``regather``)."""
-    return name if name == BASELINE else name.split("-")[0]
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,24 @@ input is recorded, the early-regather anchor), :mod:`.producers` (recompute); :m
 :mod:`regather.core` only (docs/torchtitan.md, docs/design.md §12).
 """
 
-from regather.torchtitan.converter import LoRAConverter
-from regather.torchtitan.hand import apply_lora
-from regather.torchtitan.model import adapters, decisions, set_strategy
+import importlib
+
+# the entry points by module, imported on first use: regather.torchtitan.reasons (the sentences
+# ``regather estimate`` shares) imports without torchtitan, as regather.megatron.reasons without megatron
+_HOME = {"LoRAConverter": "converter", "apply_lora": "hand", "adapters": "model", "decisions": "model",
+         "set_strategy": "model"}
 
 __all__ = ["LoRAConverter", "adapters", "apply_lora", "decisions", "set_strategy"]
+
+
+def __getattr__(name: str):
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

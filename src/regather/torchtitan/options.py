@@ -17,6 +17,11 @@ field                               default   meaning
 A bad value raises ``ValueError`` naming the field (``owner(field=value): ...``) when the config
 is made, before a model is touched; so do torchtitan's own ``rank`` / ``alpha`` /
 ``target_modules`` when they cannot build an adapter.
+
+The tools (``regather bench --torchtitan``, ``regather estimate --front-end torchtitan``) name what
+they compare by :func:`variant_fields`: ``torchtitan`` (torchtitan's own ``LoRAConverter``, the
+baseline), ``<strategy>`` (``gather``, ``regather``, ``lowrank``) and the options as suffixes in this
+order, ``-plain`` (``early_regather=False``) and ``-recompute`` (``recompute_adapter_inputs=True``).
 """
 
 from __future__ import annotations
@@ -70,3 +75,31 @@ def check_lora(owner: str, rank, alpha, target_modules) -> None:
                                        or not all(isinstance(t, str) for t in target_modules)):
         raise ValueError(f"{owner}(target_modules={target_modules!r}): expected a list of module names "
                          "(the last segment of a module's path, e.g. ['wqkv', 'w1']) or None")
+
+
+BASELINE = "torchtitan"
+STRATEGIES = ("gather", "regather", "lowrank")
+_SUFFIXES = {"plain": ("early_regather", False), "recompute": ("recompute_adapter_inputs", True)}
+#: every variant the tools compare by default, the baseline first
+VARIANTS = (BASELINE, "gather", "regather", "regather-plain", "lowrank", "gather-recompute", "regather-recompute",
+            "lowrank-recompute")
+
+
+def variant_fields(name: str) -> dict | None:
+    """regather's converter fields a variant name asks for (None: torchtitan's own converter), or a
+    ``ValueError`` naming it."""
+    if name == BASELINE:
+        return None
+    strategy, *suffixes = name.split("-")
+    known = [s for s in _SUFFIXES if s in suffixes]
+    if strategy not in STRATEGIES or suffixes != known:
+        raise ValueError(f"unknown torchtitan variant {name!r}: expected {BASELINE} or <strategy>[-plain][-recompute] "
+                         f"with a strategy of {', '.join(STRATEGIES)}")
+    if "plain" in suffixes and strategy != "regather":
+        raise ValueError(f"torchtitan variant {name!r}: -plain (early_regather=False) is regather's option")
+    return dict([("sequence_parallel_input_strategy", strategy)] + [_SUFFIXES[s] for s in suffixes])
+
+
+def base_variant(name: str) -> str:
+    """The variant without options (``regather-recompute`` -> ``regather``)."""
+    return name if name == BASELINE else name.split("-")[0]

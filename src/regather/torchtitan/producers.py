@@ -111,7 +111,7 @@ def norms_near(modules: dict, path: str) -> list[ShardNorm]:
 class SwiGLU:
     """``w2``'s input ``silu(w1 x) * w3 x``: the multiply saves both operands for its backward."""
 
-    name = "the SwiGLU multiply"
+    name = reasons.SWIGLU_PRODUCT
 
     def capture(self, x: torch.Tensor) -> tuple | str:
         """The multiply's two local operands (as its node keeps them), or why not."""

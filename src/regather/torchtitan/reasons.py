@@ -9,6 +9,15 @@ from __future__ import annotations
 
 from regather.core.recompute.graph import NOTHING_KEPT
 
+#: torchtitan's llama3 / qwen3 block linears by name (LoRA's ``target_modules``), and the
+#: column-parallel ones, whose input is gathered over the sequence (``w1`` and ``w3`` by one gather)
+TARGETS = ("wqkv", "wo", "w1", "w2", "w3")
+COLUMN_TARGETS = ("wqkv", "w1", "w3")
+#: the norm whose output is a column adapter's sequence shard, by its name in the block
+NORM_OF = {"wqkv": "attention_norm", "w1": "ffn_norm", "w3": "ffn_norm"}
+#: what ``w2``'s input is rebuilt from (``input recomputed from the SwiGLU multiply``)
+SWIGLU_PRODUCT = "the SwiGLU multiply"
+
 EVAL = "module is in eval mode"
 NO_GRAD = "autograd is disabled (torch.no_grad / inference_mode)"
 IN_CHECKPOINT = "running inside activation checkpointing (the checkpointed block keeps no adapter input anyway)"

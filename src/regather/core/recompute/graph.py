@@ -31,6 +31,7 @@ from regather.core.unwrap import plain
 #: What :func:`kept_between` says of a producer whose autograd node keeps nothing: its input and
 #: its weights need no gradient (a norm at layer 0 under frozen embeddings, a router likewise).
 NOTHING_KEPT = "it keeps nothing for its backward (neither its input nor its weights need a gradient)"
+SOURCE_NOT_KEPT = "it does not keep the tensor it would be recomputed from (saving that would add bytes)"
 
 
 class Meta:
@@ -122,7 +123,7 @@ def kept_between(output: torch.Tensor, meta: Meta, stop, limit: int = 32, pick=N
     if not reached:
         return "the adapter input does not come from it alone"
     if alias is None:
-        return "it does not keep the tensor it would be recomputed from (saving that would add bytes)"
+        return SOURCE_NOT_KEPT
     if extra_meta is None:
         return alias
     if extra_alias is None:

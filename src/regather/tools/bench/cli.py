@@ -32,8 +32,8 @@ from regather.tools.bench.titan import TITAN_TARGETS, TitanBenchSpec
 
 def _strategies(value: str) -> tuple:
     from regather.testing.moe_train import moe_variants
-    from regather.testing.torchtitan_train import VARIANTS
     from regather.tools.bench.runner import available_strategies
+    from regather.torchtitan.options import VARIANTS
 
     # --moe has -recompute-redispatch, --torchtitan torchtitan (its own LoRA)
     known = list(dict.fromkeys(available_strategies() + moe_variants() + list(VARIANTS)))

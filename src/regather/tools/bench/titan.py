@@ -36,9 +36,10 @@ from regather.tools.bench.runner import (
     recompute_counts,
     step_time_ratios,
 )
+from regather.torchtitan.reasons import TARGETS
 
 #: torchtitan's llama3 linears, the adapter kinds (every one adapted by default)
-TITAN_TARGETS = ("wqkv", "wo", "w1", "w2", "w3")
+TITAN_TARGETS = TARGETS
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -53,7 +54,7 @@ class TitanBenchSpec(BenchSpec):
 
     def problems(self) -> list[str]:
         """Every reason this spec cannot run (empty: it can)."""
-        from regather.testing.torchtitan_train import variant_fields
+        from regather.torchtitan.options import variant_fields
 
         out = []
         unknown = [t for t in self.targets if t not in TITAN_TARGETS]
@@ -110,7 +111,7 @@ def run(spec: TitanBenchSpec) -> dict:
     """Spawn ``spec.tp`` gloo ranks, run the benchmark, return the summary dict."""
     from regather.testing.dist import run_ranks
     from regather.testing.torchtitan_models import missing
-    from regather.testing.torchtitan_train import BASELINE, VARIANTS
+    from regather.torchtitan.options import BASELINE, VARIANTS
 
     why = missing()
     if why:
@@ -198,7 +199,7 @@ def _parity(row: dict, ref: dict, grads: dict, ref_grads: dict) -> None:
 
 
 def summarise(per_rank: list, spec: TitanBenchSpec) -> dict:
-    from regather.testing.torchtitan_train import BASELINE, base_variant
+    from regather.torchtitan.options import BASELINE, base_variant
 
     frozen = int(per_rank[0]["frozen"]["saved_bytes"])
     rows = {name: _row([r[name] for r in per_rank], frozen, spec) for name in spec.strategies}
