@@ -1,5 +1,6 @@
 """``regather bench --torchtitan`` end to end on two gloo ranks (torchtitan 0.3.0's llama3, tiny shapes,
-3 steps), checked against formulas per adapter kind, and its command line.
+3 steps), checked against formulas per adapter kind, byte for byte against ``regather estimate
+--front-end torchtitan`` (fp32 every variant; bf16 with GQA on a subset of targets), and its command line.
 
 Per layer and rank (element size e, b·s tokens, TP t, LoRA rank r): torchtitan's LoRA keeps for LoRA-A
 wqkv's gathered input b·s·h·e, one gathered storage for w1 and w3 (counted under w1), w2's input
@@ -21,6 +22,9 @@ from regather.tools import cli
 from regather.tools.bench import cli as bench_cli
 from regather.tools.bench.cli import spec_from_args
 from regather.tools.bench.titan import TitanBenchSpec
+from regather.tools.estimate import Model, Run
+from regather.tools.estimate.titan import titan_estimate
+from regather.torchtitan import reasons
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -39,6 +43,17 @@ def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-titan")
     assert cli.main(ARGV + ["--out", str(out)]) == 0
     return json.loads((out / "bench.json").read_text()), out
+
+
+@pytest.fixture(scope="module")
+def bench_bf16(tmp_path_factory):
+    """bf16, GQA, LoRA on wqkv, w2 and w3 only (w3 alone reads the FFN's gathered input), five variants."""
+    out = tmp_path_factory.mktemp("bench-titan-bf16")
+    argv = [a for a in ARGV if a not in ("--steps", "3")] + ["--steps", "2", "--dtype", "bfloat16", "--targets",
+                                                              "wqkv,w2,w3", "--strategies",
+                                                              "regather,regather-plain,lowrank-recompute,gather-recompute"]
+    assert cli.main(argv + ["--out", str(out)]) == 0
+    return json.loads((out / "bench.json").read_text())
 
 
 def _kinds(wqkv, w1, w2) -> dict:
@@ -110,6 +125,63 @@ def test_reports_state_command_and_software(bench, capsys):
     assert "| regather-recompute | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 |" in md
     assert cli.main(["bench", "--render", str(out / "bench.json")]) == 0
     assert "x torchtitan (median / paired)" in capsys.readouterr().out
+
+
+def _estimate_for(summary: dict, norm_upcasts: bool) -> dict:
+    """estimate's torchtitan layout for the bench's run (the bench's embedding output requires grad)."""
+    spec = summary["spec"]
+    model = Model(name="bench", hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
+                  kv_heads=spec["kv_heads"], ffn=spec["ffn"], vocab=spec["vocab"])
+    run = Run(tp=spec["tp"], seq=spec["seq"], micro_batch=spec["micro_batch"], dtype=spec["dtype"],
+              lora_rank=spec["lora_rank"], targets=tuple(spec["targets"]), input_requires_grad=True)
+    return titan_estimate(model, run, tuple(spec["strategies"]), norm_upcasts=norm_upcasts)
+
+
+def _decided(decisions: dict) -> tuple[dict, dict, dict]:
+    """From the adapters' decisions: recomputed inputs by kind, kept ones by ``kind: reason``, and the
+    inputs an op already saves (wo's attention output) by kind."""
+    recomputed, kept, shared = {}, {}, {}
+    for path, d in decisions.items():
+        kind = path.rsplit(".", 1)[-1]
+        if ", input recomputed from " in d:
+            recomputed[kind] = recomputed.get(kind, 0) + 1
+        elif ", input kept (recompute asked: " in d:
+            why = d.split(", input kept (recompute asked: ", 1)[1][:-1]
+            if why.startswith(reasons.ALREADY_SAVED.split("{", 1)[0]):
+                shared[kind] = shared.get(kind, 0) + 1
+            else:
+                kept[f"{kind}: {why}"] = kept.get(f"{kind}: {why}", 0) + 1
+    return recomputed, kept, shared
+
+
+def _assert_agree(summary: dict, norm_upcasts: bool) -> None:
+    """Per adapter kind, LoRA over the frozen model, extra collectives by kind, and which inputs are
+    rebuilt or kept and why (the adapters' sentences): byte for byte, sentence for sentence."""
+    est = _estimate_for(summary, norm_upcasts)
+    for name, e in est.items():
+        row = summary["strategies"][name]
+        assert row["adapter_input_by_kind"] == {k: v for k, v in e["adapter_input_by_target"].items() if v}, name
+        assert row["lora_bytes_over_frozen"] == e["lora_bytes_over_frozen"], name
+        assert row["comm_bytes_extra_vs_torchtitan"] == e["extra_comm_bytes"], name
+        if "recomputed_by_target" in e:
+            recomputed, kept, shared = _decided(row["decisions"])
+            assert recomputed == e["recomputed_by_target"], name
+            assert kept == e["kept_by_reason"], name
+            assert shared == e["shared_by_target"], name
+
+
+def test_agrees_with_estimate_fp32_every_variant(bench):
+    _assert_agree(bench[0], norm_upcasts=False)
+
+
+def test_agrees_with_estimate_bf16_gqa_subset_of_targets(bench_bf16):
+    # bf16 on CPU: torch's composite rms_norm keeps an fp32 copy, so wqkv and w3 keep their shard
+    rows = bench_bf16["strategies"]
+    assert list(rows) == ["torchtitan", "regather", "regather-plain", "lowrank-recompute", "gather-recompute"]
+    assert rows["lowrank-recompute"]["adapter_input_by_kind"] == {"wqkv": L * SHARD // 2, "w3": L * SHARD // 2}
+    _assert_agree(bench_bf16, norm_upcasts=True)
+    for name in ("regather", "regather-plain", "gather-recompute"):
+        assert rows[name]["bit_identical_to_torchtitan"], name
 
 
 def test_command_line_refusals():

@@ -499,3 +499,77 @@ def test_default_documents_carry_no_same_work(capsys):
     assert cli.main(["estimate", "--model", "qwen3-8b"]) == 0
     out = capsys.readouterr().out
     assert "this estimate: LoRA on" not in out and "attention" not in out
+
+
+# -- --front-end torchtitan: torchtitan's dense blocks, its own LoRA as the baseline ------------------
+
+def test_torchtitan_llama3_8b_tp2_by_hand():
+    from regather.tools.estimate.titan import titan_estimate
+
+    model, run = PRESETS["llama3-8b"], Run(tp=2, seq=S, lora_rank=8, targets=("wqkv", "wo", "w1", "w2", "w3"))
+    res = titan_estimate(model, run)
+    x_full, ffn, layers = S * B * H * 2, 14336, 32     # bf16: wqkv's (and w1/w3's one) gathered input
+    w2 = S * B * ffn * 2 // 2                           # [b, s, ffn/t]
+    rank_r = 5 * S * B * 8 * 2                          # LoRA-B's five rank-r inputs per layer
+    titan = layers * (2 * x_full + w2)
+    assert res["torchtitan"]["adapter_input_by_target"] == {"wqkv": layers * x_full, "wo": 0, "w1": layers * x_full,
+                                                            "w2": layers * w2, "w3": 0}
+    assert res["torchtitan"]["adapter_input_bytes"] == titan == 8_053_063_680
+    assert res["torchtitan"]["lora_bytes_over_frozen"] == titan + layers * rank_r
+    assert res["gather"]["adapter_input_bytes"] == titan and res["gather"]["extra_comm_bytes"] == {}
+    for name in ("regather", "regather-plain", "lowrank"):
+        assert res[name]["saved_vs_torchtitan"] == layers * x_full == 2_147_483_648, name  # two shards, not two x_full
+    assert res["gather-recompute"]["saved_vs_torchtitan"] == layers * w2              # w2 from the SwiGLU operands
+    # regather + recompute: only layer 0's wqkv shard (frozen embeddings: attention_norm keeps nothing)
+    rec = res["regather-recompute"]
+    assert rec["adapter_input_bytes"] == x_full // 2
+    assert rec["saved_vs_torchtitan_input_requires_grad"] == titan
+    assert rec["recomputed_by_target"] == {"wqkv": 31, "w1": 32, "w2": 32, "w3": 32}
+    assert rec["shared_by_target"] == {"wo": 32}
+    ag = x_full // 2  # one all-gather of a shard received per rank: x_full * (t-1)/t
+    assert res["regather"]["extra_comm_bytes"] == {"all_gather": layers * 2 * ag}      # attention, feed_forward
+    assert res["regather-plain"]["extra_comm_bytes"] == {"all_gather": layers * 3 * ag}  # w1 and w3 each
+    mid = S * B * 8 * 2 // 2
+    assert res["lowrank"]["extra_comm_bytes"] == {"all_gather": layers * 3 * mid, "reduce_scatter": layers * 3 * mid}
+    assert res["lowrank-recompute"]["extra_comm_bytes"] == res["lowrank"]["extra_comm_bytes"]
+
+
+def test_torchtitan_layouts_targets_and_no_sp_by_hand():
+    from regather.tools.estimate.titan import titan_estimate
+    from regather.torchtitan import reasons
+
+    model = PRESETS["llama3-8b"]
+    x_full, layers = S * B * H * 2, 32
+    # w3 alone: the FFN's one input is counted under w3; its early re-gather is the feed_forward's one
+    res = titan_estimate(model, Run(tp=2, seq=S, lora_rank=8, targets=("w3",)), ("torchtitan", "regather"))
+    assert res["torchtitan"]["adapter_input_by_target"] == {"w3": layers * x_full}
+    assert res["regather"]["extra_comm_bytes"] == {"all_gather": layers * x_full // 2}
+    # wo alone, frozen embeddings: layer 0's attention needs no gradient, so nothing keeps its output
+    res = titan_estimate(model, Run(tp=2, seq=S, lora_rank=8, targets=("wo",)), ("torchtitan", "regather-recompute"))
+    assert res["torchtitan"]["adapter_input_bytes"] == S * B * H * 2 // 2  # layer 0's [b, s, heads*d/t]
+    assert res["regather-recompute"]["kept_by_reason"] == {f"wo: {reasons.NOT_KEPT}": 1}
+    # without SP every variant is torchtitan's for the column adapters; w2 still recomputes; nothing is sent
+    run = Run(tp=2, sp=False, seq=S, lora_rank=8, targets=("wqkv", "wo", "w1", "w2", "w3"))
+    res = titan_estimate(model, run)
+    assert res["regather"]["saved_vs_torchtitan"] == 0 and res["regather"]["extra_comm_bytes"] == {}
+    assert res["regather-recompute"]["saved_vs_torchtitan"] == layers * S * B * 14336 * 2 // 2
+    assert res["regather-recompute"]["kept_by_reason"][f"wqkv: {reasons.GATHER_KEEPS}"] == layers
+
+
+def test_cli_front_end_torchtitan(capsys):
+    assert cli.main(["estimate", "--front-end", "torchtitan", "--tp", "2", "--seq", "8192", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["front_end"] == "torchtitan" and out["model"]["name"] == "Llama3-8B"
+    assert out["run"]["targets"] == ["wqkv", "wo", "w1", "w2", "w3"] and out["run"]["lora_rank"] == 8
+    assert list(out["strategies"]) == ["torchtitan", "gather", "regather", "regather-plain", "lowrank",
+                                       "gather-recompute", "regather-recompute", "lowrank-recompute"]
+    assert cli.main(["estimate", "--front-end", "torchtitan", "--strategies", "torchtitan,regather-recompute"]) == 0
+    text = capsys.readouterr().out
+    assert "saved vs torchtitan's LoRA  : 8.020 GB" in text and "[regather]" not in text
+    for argv, said in ((["--ep", "2"], "--ep"), (["--recipe"], "--recipe"), (["--attention", "fused"], "--attention"),
+                       (["--targets", "linear_qkv"], "torchtitan's block linears"),
+                       (["--strategies", "lowrank-plain"], "-plain")):
+        with pytest.raises(SystemExit, match=said):
+            cli.main(["estimate", "--front-end", "torchtitan", *argv])
+    with pytest.raises(SystemExit, match="add --front-end torchtitan"):
+        cli.main(["estimate", "--targets", "wqkv,w1"])

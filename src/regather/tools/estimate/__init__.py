@@ -18,6 +18,8 @@ One module per concern:
   rebuilding their inputs from the router's input
 - :mod:`.summary` — the totals per strategy (:func:`estimate`)
 - :mod:`.report`  — the text report and the JSON document; :mod:`.cli` — ``regather estimate``
+- :mod:`.titan`   — ``--front-end torchtitan``: torchtitan's dense blocks under its own sharding
+  config, its own LoRA as the baseline (terms, totals, report; :func:`titan_estimate`)
 
 A producer keeps a tensor only when its input requires grad (the base weights are
 frozen). With frozen embeddings the decoder input does not, so layer 0's
@@ -96,6 +98,7 @@ from regather.tools.estimate.summary import (
     saved_vs_gather,
     shared_summary,
 )
+from regather.tools.estimate.titan import titan_estimate
 
 __all__ = [
     "ALL_STRATEGIES", "ALL_TARGETS", "ATTENTION", "EXPERT_LORA", "EXPERT_TARGETS", "NORM_OF", "PRESETS", "RECIPES",
@@ -104,5 +107,5 @@ __all__ = [
     "eligible_per_layer", "estimate", "expert_adapters_per_layer", "expert_comm_changes", "expert_fc1_source",
     "expert_inputs", "expert_layout", "expert_lora", "extra_comm_bytes", "format_report", "layers_here", "local_tokens",
     "predispatch_comm", "producer_inputs_need_grad", "recompute_summary", "redispatch_comm", "reference_for",
-    "routed_rows", "same_work", "saved_vs_gather", "shared_summary", "split_strategy",
+    "routed_rows", "same_work", "saved_vs_gather", "shared_summary", "split_strategy", "titan_estimate",
 ]

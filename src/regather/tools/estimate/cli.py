@@ -21,6 +21,8 @@ from regather.tools.estimate.config import (
     Model,
     Run,
 )
+from regather.torchtitan.options import VARIANTS as TITAN_VARIANTS
+from regather.torchtitan.reasons import TARGETS as TITAN_TARGETS
 
 # --flag -> ModelShape field, for the custom sizes (--experts is the count here)
 _SIZES = {"hidden": "hidden", "ffn": "ffn", "layers": "layers", "heads": "heads", "kv_heads": "kv_heads",
@@ -29,14 +31,17 @@ _SIZES = {"hidden": "hidden", "ffn": "ffn", "layers": "layers", "heads": "heads"
 
 def _targets(value: str) -> tuple:
     names = tuple(v.strip() for v in value.split(",") if v.strip())
-    bad = [n for n in names if n not in ALL_TARGETS]
+    bad = [n for n in names if n not in ALL_TARGETS + TITAN_TARGETS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown targets {bad}; expected some of {', '.join(ALL_TARGETS)}")
+        raise argparse.ArgumentTypeError(f"unknown targets {bad}; expected some of {', '.join(ALL_TARGETS)} "
+                                         f"(--front-end torchtitan: {', '.join(TITAN_TARGETS)})")
     return names
 
 
 # the options that ask for the same-work lines (the default report stays as it was)
 SAME_WORK_OPTIONS = ("targets", "lora_rank", "attention")
+FRONT_ENDS = ("megatron", "torchtitan")
+TITAN_PRESET = "llama3-8b"  # --front-end torchtitan without --model
 
 
 class _Given(argparse.Action):
@@ -57,7 +62,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "estimate", help="analytic LoRA-A input memory and extra communication per strategy",
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=sorted(PRESETS), default="qwen3-8b", help="preset (custom sizes override)")
+    p.add_argument("--model", choices=sorted(PRESETS), default="qwen3-8b", action=_Given,
+                   help="preset (custom sizes override; --front-end torchtitan: default llama3-8b)")
     for flag in ("hidden", "ffn", "layers", "heads", "kv-heads", "head-dim", "experts", "moe-ffn", "topk"):
         p.add_argument(f"--{flag}", type=int, default=None)
     p.add_argument("--tp", type=int, default=2)
@@ -91,13 +97,23 @@ def register(subparsers) -> None:
                    help="fused: the attention keeps its output for its backward (flash-attention, TE's fused "
                         "attention), so linear_proj's LoRA-A input is 0 new bytes on every strategy; unfused: "
                         "megatron's local attention (saves probs and V)")
-    p.add_argument("--strategies", default=",".join(ALL_STRATEGIES),
-                   help="some of " + ", ".join(ALL_STRATEGIES) + " (-recompute: recompute_adapter_inputs=True)")
+    p.add_argument("--strategies", default=",".join(ALL_STRATEGIES), action=_Given,
+                   help="some of " + ", ".join(ALL_STRATEGIES) + " (-recompute: recompute_adapter_inputs=True); "
+                        "--front-end torchtitan: some of " + ", ".join(TITAN_VARIANTS))
     p.add_argument("--input-requires-grad", action="store_true",
                    help="the decoder input requires grad (Bridge's maybe_enable_recompute_inputs_grad, HF's "
                         "enable_input_require_grads): layer 0's linear_qkv recomputes too")
     p.add_argument("--later-stage", dest="first_stage", action="store_false",
                    help="this GPU is a later pipeline stage (its input comes from p2p and requires grad)")
+    p.add_argument("--front-end", choices=FRONT_ENDS, default="megatron",
+                   help="torchtitan: torchtitan's dense llama3 / qwen3 blocks under its own sharding config, its own "
+                        "LoRAConverter as the baseline, targets " + ",".join(TITAN_TARGETS) + " and rank 8 unless "
+                        "--targets / --lora-rank say otherwise (Megatron's MoE, recipe and attention options do not "
+                        "apply)")
+    p.add_argument("--norm-upcasts", action="store_true",
+                   help="--front-end torchtitan, bf16/fp16: the norms keep an fp32 copy of their input (torch's "
+                        "composite rms_norm, as on CPU), so wqkv/w1/w3 keep their shard under -recompute (default: "
+                        "the norm keeps its input, as CUDA's fused rms_norm)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=main)
 
@@ -128,13 +144,65 @@ def run_from_args(args) -> Run:
                attention_keeps_output=getattr(args, "attention", "unfused") == "fused")
 
 
+def titan_from_args(args) -> tuple[Model, Run, tuple]:
+    """``--front-end torchtitan``: the model (``llama3-8b`` unless ``--model``), the run (torchtitan's
+    targets and rank unless given) and the variants; exits naming the Megatron-only options given."""
+    from regather.torchtitan.options import variant_fields
+
+    given, d = _given(args), {"ep": 1, "etp": 1, "expert_lora": "shared", "redispatch": False, "dispatcher": "alltoall",
+                               "grad_dtype": None, "experts": None, "moe_ffn": None, "topk": None, "recipe": False}
+    other = [f"--{n.replace('_', '-')}" for n, v in d.items() if getattr(args, n, v) != v]
+    other += ["--attention"] if "attention" in given else []
+    if other:
+        raise SystemExit(f"regather estimate --front-end torchtitan: {', '.join(other)}: Megatron's options "
+                         "(torchtitan's LoRA adapts dense Linear configs; its attention keeps its output)")
+    model = model_from_args(args if "model" in given else argparse.Namespace(**{**vars(args), "model": TITAN_PRESET}))
+    targets = tuple(args.targets) if "targets" in given else TITAN_TARGETS
+    bad = [t for t in targets if t not in TITAN_TARGETS]
+    if bad:
+        raise SystemExit(f"regather estimate --front-end torchtitan: targets {bad}: torchtitan's block linears are "
+                         f"{', '.join(TITAN_TARGETS)}")
+    run = replace(run_from_args(args), targets=targets, lora_rank=args.lora_rank if "lora_rank" in given else 8)
+    variants = tuple(s.strip() for s in args.strategies.split(",") if s.strip()) if "strategies" in given \
+        else TITAN_VARIANTS
+    for name in variants:
+        try:
+            variant_fields(name)
+        except ValueError as exc:
+            raise SystemExit(f"regather estimate --front-end torchtitan: {exc}") from None
+    return model, run, variants
+
+
+def titan_main(args) -> int:
+    import json
+
+    from regather.tools.estimate.titan import format_titan_report, titan_as_json, titan_estimate
+
+    model, run, variants = titan_from_args(args)
+    upcasts = args.norm_upcasts
+    try:
+        result = titan_estimate(model, run, variants, upcasts)
+    except ValueError as exc:  # sizes that do not divide: say which
+        raise SystemExit(f"regather estimate --front-end torchtitan: {exc}") from None
+    print(json.dumps(titan_as_json(model, run, result, upcasts), indent=1) if args.json
+          else format_titan_report(model, run, result, upcasts))
+    return 0
+
+
 def main(args) -> int:
     import json
 
     from regather.tools.estimate.report import as_json, format_report, reference_for, same_work
     from regather.tools.estimate.summary import estimate
 
+    if getattr(args, "front_end", "megatron") == "torchtitan":
+        return titan_main(args)
+    if getattr(args, "norm_upcasts", False):
+        raise SystemExit("regather estimate: --norm-upcasts is --front-end torchtitan's")
     model, run = model_from_args(args), run_from_args(args)
+    titan = [t for t in run.targets if t in TITAN_TARGETS]
+    if titan:
+        raise SystemExit(f"regather estimate: targets {titan} are torchtitan's names: add --front-end torchtitan")
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
     unknown = [s for s in strategies if s not in ALL_STRATEGIES]
     if unknown:

@@ -10,7 +10,10 @@ h=2048, 48 layers all MoE, 32 heads, 4 kv heads, head_dim 128 (so attention is
 4096 wide, wider than h), 128 experts, moe ffn 768, top-8, no dense MLP and no
 shared expert; **GPT-OSS-120B** h=2880, 36 layers all MoE, 64 heads, 8 kv heads,
 head_dim 64, 128 experts, moe ffn 2880, top-4, vocab 201088; **Llama3-70B**
-h=8192, ffn=28672, 80 layers, 64 heads, 8 kv heads, head_dim 128, vocab 128256.
+h=8192, ffn=28672, 80 layers, 64 heads, 8 kv heads, head_dim 128, vocab 128256; **Llama3-8B**
+h=4096, ffn=14336, 32 layers, 32 heads, 8 kv heads, head_dim 128, vocab 128256 (torchtitan's
+``llama3`` ``8B`` flavor: dim 4096, ``compute_ffn_hidden_dim(4096, multiple_of=1024,
+ffn_dim_multiplier=1.3)`` = 14336; ``--front-end torchtitan``'s default).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ PRESETS = {
                           num_experts=128, moe_ffn=2880, topk=4, vocab=201088),
     "llama3-70b": Model(name="Llama3-70B", hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128,
                         ffn=28672, vocab=128256),
+    "llama3-8b": Model(name="Llama3-8B", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
+                       ffn=14336, vocab=128256),
 }
 
 
