@@ -6,12 +6,14 @@ One spawn (workers_canonical.canonical_suite) computes everything; megatron-core
 Tolerances:
 - gather vs regather (early and plain), also vs each other: bit-exact (rtol=atol=0) — the same
   GEMMs on the same operands; every strategy computes each adapter's own GEMMs.
-- lowrank vs gather: the suite's lowrank tolerance (test_lowrank.TOL: norm-relative 1e-6 fp32;
-  bf16 5e-2 at the model level, see LOWRANK_TOL): same maths, another summation order.
-- TP=1 vs TP=2 (same full weights), and the fused rank-3r reference at TP=1: fp32 norm-relative
-  ``max|a-b| / max|b| <= 1e-5`` (measured <= 1.5e-6: other GEMM splits, other TP reductions). The
-  logits of this tiny model are small (|logit| <= 0.016), so the bound is relative: a misplaced
-  projection moves them by ~20 %.
+- results that are not the same GEMMs — lowrank vs gather (another summation order), TP=1 vs TP=2
+  (same full weights: other GEMM splits, other TP reductions) and the fused rank-3r reference at
+  TP=1 — agree only to rounding, and how much depends on the machine's kernels (1e-6 and 1e-5 of
+  the largest entry, the bounds here before, were each crossed with another BLAS path). Each is held
+  against the gather path run in fp64 from the same weights (fp32's, or bf16's for bf16): its error
+  within 3x the error of the computation it replaces (gather, TP=1) plus 4 ulps
+  (regather.testing.numerics). A misplaced projection moves the logits by ~20 %, a missing TP sum of
+  dA is O(1).
 - merge: rtol=atol=1e-5 as test_merge (one fp32 rounding of W + scale*B@A).
 
 Bytes (fp32, s=32, b=2, h=64, t=2): ``x_full = s*b*h*4 = 16384`` B, ``x_local = 8192`` B per
@@ -23,6 +25,7 @@ import torch
 import workers_canonical as W
 
 from regather.testing.dist import run_ranks
+from regather.testing.numerics import check_rounding
 
 T = W.TP
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -33,11 +36,7 @@ FP32 = 4
 X_FULL = S * B * H * FP32
 X_LOCAL = X_FULL // T
 X_GATHER = X_FULL * (T - 1) // T  # bytes one all-gather of x brings to a rank
-# test_lowrank.TOL for fp32; bf16 5e-2 here: the suite's 2e-2 bounds one adapter, while the decoder
-# input gradient here passes back through two layers' bf16 backward (measured 2.7e-2 on it, 1.7e-2
-# on the adapter gradients; fp32 measured <= 9.1e-7). A missing TP sum of dA is O(1).
-LOWRANK_TOL = {"float32": 1e-6, "bfloat16": 5e-2}
-RESHARD = 1e-5
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QKV_MEMBERS, FC1_MEMBERS = ("linear_q", "linear_k", "linear_v"), ("linear_fc1_gate", "linear_fc1_up")
 WRAPPER_OF = {**dict.fromkeys(QKV_MEMBERS, "linear_qkv"), **dict.fromkeys(FC1_MEMBERS, "linear_fc1")}
 
@@ -77,14 +76,14 @@ def identical(got: dict, ref: dict, what: str):
         same(got["grads"][name], g, f"{what}: {name}")
 
 
-def close(got: dict, ref: dict, tol: float, what: str, rank: int = 0):
+def within_rounding(got: dict, ref: dict, ref64: dict, what: str, rank: int = 0, dtype=torch.float32):
+    """Logits, loss, decoder-input gradient and every adapter gradient of ``got`` within rounding of
+    ``ref``'s (a computation of the same function with other GEMMs), against the fp64 run ``ref64``."""
     for k in ("logits", "loss", "input_grad"):
-        err = rel_err(got[k], ref[k])
-        assert err <= tol, f"{what}: {k} relative error {err:.2e} > {tol:g}"
+        check_rounding(got[k], ref[k], ref64[k], f"{what}: {k}", dtype=dtype)
     assert got["grads"].keys() == ref["grads"].keys(), what
     for name, g in ref["grads"].items():
-        err = rel_err(_rows(got["grads"][name], g, rank), g)
-        assert err <= tol, f"{what}: {name} relative error {err:.2e} > {tol:g}"
+        check_rounding(_rows(got["grads"][name], g, rank), g, ref64["grads"][name], f"{what}: {name}", dtype=dtype)
 
 
 def qkv(saved: dict) -> int:
@@ -116,11 +115,11 @@ def test_regather_bit_exact_with_gather(suite, dtype, fuse):
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_lowrank_within_the_suites_tolerance(suite, dtype, fuse):
+def test_lowrank_within_rounding_of_gather(suite, dtype, fuse):
     for rank, res in enumerate(suite):
         runs = case(res, "parity")
-        close(runs[(dtype, fuse, "lowrank")], runs[(dtype, fuse, "gather")], LOWRANK_TOL[dtype],
-              f"rank {rank} {dtype} fuse={fuse} lowrank", rank)
+        within_rounding(runs[(dtype, fuse, "lowrank")], runs[(dtype, fuse, "gather")], runs["fp64"][dtype],
+                        f"rank {rank} {dtype} fuse={fuse} lowrank", rank, DTYPES[dtype])
 
 
 def test_fused_main_grad_equals_unfused_grad(suite):
@@ -142,9 +141,10 @@ def test_tp1_equals_tp2_on_the_same_full_weights(suite):
     for res in suite:
         tp1 = case(res, "tp1")
         assert tp1["canonical_weights_equal"]
+        ref64 = case(res, "parity")["fp64"]["float32"]["full"]
         for variant in ("gather", "early"):
             tp2 = case(res, "parity")[("float32", False, variant)]["full"]
-            close(tp1["canonical"], tp2, RESHARD, f"TP=1 vs TP=2 {variant}")
+            within_rounding(tp2, tp1["canonical"], ref64, f"TP=2 {variant} vs TP=1")
         # the adapters matter: not the frozen model's logits
         effect = rel_err(case(res, "parity")[("float32", False, "gather")]["logits"], case(res, "parity")["base_logits"])
         assert effect > 0.05, effect
@@ -157,7 +157,8 @@ def test_canonical_equals_a_fused_rank_3r_lora_built_per_projection(suite):
     regather's placement code. Same logits, input gradient and per-projection gradients."""
     for res in suite:
         tp1 = case(res, "tp1")
-        close(tp1["fused_reference"], tp1["canonical"], RESHARD, "fused rank-3r reference vs CanonicalLoRA")
+        within_rounding(tp1["canonical"], tp1["fused_reference"], case(res, "parity")["fp64"]["float32"]["full"],
+                        "CanonicalLoRA vs the fused rank-3r reference")
 
 
 # -- subsets of the targets ------------------------------------------------------------------------
@@ -182,10 +183,10 @@ def test_missing_projections_contribute_zeros(suite, subset):
                 same(g, ref["grads"][name], f"rank {rank} {subset} {variant}: {name}")
                 assert g.abs().max() > 0, name
             assert sorted(p.rsplit(".", 1)[-1] for p in got["decisions"]) == sorted(members * L)
-        lowrank = runs["lowrank"]
+        lowrank, ref64 = runs["lowrank"], runs["fp64"]
         for name, g in lowrank["grads"].items():
-            assert rel_err(_rows(g, ref["grads"][name], rank), ref["grads"][name]) <= LOWRANK_TOL["float32"], name
-        assert rel_err(lowrank["logits"], ref["logits"]) <= LOWRANK_TOL["float32"]
+            check_rounding(_rows(g, ref["grads"][name], rank), ref["grads"][name], ref64["grads"][name], name)
+        check_rounding(lowrank["logits"], ref["logits"], ref64["logits"], f"rank {rank} {subset} lowrank: logits")
         # not the frozen model
         assert rel_err(ref["logits"], case(res, "parity")["base_logits"]) > 1e-3
 
@@ -193,8 +194,9 @@ def test_missing_projections_contribute_zeros(suite, subset):
 @pytest.mark.parametrize("subset", list(W.SUBSETS))
 def test_subsets_tp1_equals_tp2(suite, subset):
     for res in suite:
-        close(case(res, "tp1")["subsets"][subset], case(res, "subsets")[subset]["gather"]["full"], RESHARD,
-              f"{subset} TP=1 vs TP=2")
+        runs = case(res, "subsets")[subset]
+        within_rounding(runs["gather"]["full"], case(res, "tp1")["subsets"][subset], runs["fp64"]["full"],
+                        f"{subset} TP=2 vs TP=1")
 
 
 @pytest.mark.parametrize("subset", list(W.SUBSETS))
@@ -343,7 +345,13 @@ def test_decisions_per_member_as_for_lora(suite, label):
         used = {"early": "regather", "recompute": "regather", "lowrank": "lowrank"}[label]
         for path, d in train.items():
             if path.rsplit(".", 1)[-1] in WRAPPER_OF:
-                assert d.startswith(used) and "asked" not in d, (path, d)
+                if label == "recompute" and path.startswith("decoder.layers.0.self_attention."):
+                    # after the forward: layer 0's norm kept nothing (frozen embeddings), so its
+                    # members kept their inputs, and say so for that forward
+                    assert d.startswith(f"{used}, input kept (recompute asked: ") and d.endswith(
+                        "(in the last forward))"), (path, d)
+                else:
+                    assert d.startswith(used) and "asked" not in d, (path, d)
             else:
                 assert d.startswith(f"gather (asked {used}: base layer"), (path, d)
         assert all("module is in eval mode" in d for d in table["eval"][0].values())
@@ -445,7 +453,7 @@ def test_sharded_state_dict_layout(suite):
 
 def test_dist_checkpoint_tp2_reloads_and_reshards_to_tp1(suite):
     """Saved at TP=2 (regather), loaded at TP=2 into gather and lowrank models and at TP=1: the
-    adapter weights exactly; TP=2 logits exactly (gather) / lowrank tolerance, TP=1 within RESHARD."""
+    adapter weights exactly; TP=2 logits exactly (gather) / lowrank and TP=1 within rounding of the saved model's, against its fp64 logits."""
     for res in suite:
         ck = case(res, "ckpt")
         for variant in ("gather", "lowrank"):
@@ -456,12 +464,12 @@ def test_dist_checkpoint_tp2_reloads_and_reshards_to_tp1(suite):
             if variant == "gather":
                 same(got["logits"], ck["logits"], "TP=2 reload logits")
             else:
-                assert rel_err(got["logits"], ck["logits"]) <= LOWRANK_TOL["float32"]
+                check_rounding(got["logits"], ck["logits"], ck["logits64"], "TP=2 lowrank reload logits")
         tp1 = case(res, "tp1")["ckpt"]
         assert tp1["weights"].keys() == ck["weights"].keys()
         for name, w in ck["weights"].items():
             assert torch.equal(tp1["weights"][name], w), name
-        assert rel_err(tp1["logits"], ck["logits"]) <= RESHARD
+        check_rounding(tp1["logits"], ck["logits"], ck["logits64"], "TP=1 reload logits")
 
 
 # -- refusals and debug checks ----------------------------------------------------------------------

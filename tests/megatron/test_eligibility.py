@@ -1,4 +1,4 @@
-"""Every eligibility rule (design.md §5), with its exact reason."""
+"""Every eligibility rule (docs/design.md §5), with its exact reason."""
 
 from types import SimpleNamespace
 

@@ -9,6 +9,7 @@ from workers_reliability import bad_inputs, raise_or_block
 
 from regather import Strategy
 from regather.testing.dist import RankFailed, run_ranks
+from regather.testing.numerics import check_rounding
 
 T = 2
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -16,11 +17,13 @@ ALL = [s.value for s in Strategy]
 
 
 def test_a_rank_that_raises_fails_the_run_quickly():
-    """Rank 1 raises while rank 0 waits in a collective: RankFailed well before the deadline."""
-    t0 = time.monotonic()
-    with pytest.raises(RankFailed, match="rank 1 failed mid-step"):
+    """Rank 1 raises while rank 0 waits in a collective: RankFailed well before the deadline.
+    Measured from the raise, not from the start: starting two ranks (spawn, imports) took 2 to 53 s
+    on the shared 2-core machine (tests/testing/test_dist_launcher.py)."""
+    with pytest.raises(RankFailed, match="rank 1 failed mid-step") as info:
         run_ranks(raise_or_block, T, timeout=120, pg_timeout=120)
-    elapsed = time.monotonic() - t0
+    raised_at = float(str(info.value).split("injected at t=")[1].split(")")[0])
+    elapsed = time.time() - raised_at
     assert elapsed < 60, f"run_ranks took {elapsed:.1f} s to report a failed rank (deadline 120 s)"
 
 
@@ -70,14 +73,15 @@ def test_different_local_sequence_lengths_opt_in_check(bad, strategy):
 @pytest.mark.parametrize("strategy", [s for s in ALL if s != "gather"])
 def test_nan_and_inf_propagate_like_the_gather_path(bad, strategy):
     for rank in range(T):
-        ref, got = bad[rank][("nan", "gather")], bad[rank][("nan", strategy)]
+        ref, got, ref64 = bad[rank][("nan", "gather")], bad[rank][("nan", strategy)], bad[rank][("nan", "fp64")]
         assert not torch.isfinite(ref["y"]).all()  # a NaN input is not repaired
         for k in ("y", "dx", "dA", "dB"):
             r, g = ref[k], got[k]
             assert torch.equal(torch.isnan(r), torch.isnan(g)), f"rank {rank} {k}: NaN pattern differs"
             assert torch.equal(torch.isinf(r), torch.isinf(g)), f"rank {rank} {k}: Inf pattern differs"
-            finite = torch.isfinite(r)
+            finite = torch.isfinite(r)  # (dB: none, every entry sums over the NaN token)
             if strategy == "regather":
                 assert torch.equal(r[finite], g[finite]), f"rank {rank} {k}"
-            else:
-                torch.testing.assert_close(g[finite], r[finite], rtol=1e-6, atol=1e-6)
+            elif finite.any():  # another summation order: within rounding of the gather path's, against fp64
+                assert torch.isfinite(ref64[k][finite]).all(), f"rank {rank} {k}"
+                check_rounding(g[finite], r[finite], ref64[k][finite], f"rank {rank} {strategy} {k}")

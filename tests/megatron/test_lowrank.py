@@ -8,14 +8,19 @@ import torch
 from workers_lowrank import B, H, R, S, lowrank_suite
 
 from regather.testing.dist import run_ranks
+from regather.testing.numerics import check_rounding
 
 T = 2
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
-# lowrank is the same maths as gather in another summation order (dA summed over the
-# sequence in two halves then over TP, dx one GEMM over the full rank): fp32 agrees to
-# rounding; bf16 rounds every GEMM output and the gathered/reduced activations to 8 bits
-# of mantissa (relative step 2^-8 ~ 4e-3), and 3 SGD steps compound it — 2e-2 bounds that.
-TOL = {"float32": 1e-6, "bfloat16": 2e-2}
+# lowrank is the same maths as gather in another summation order (dA summed over the sequence in
+# two halves then over TP, dx one GEMM over the full rank), so the two agree only to rounding, and
+# how much depends on the machine's kernels (bf16 also rounds every GEMM output and the
+# gathered/reduced activations to 8 bits of mantissa, and 3 SGD steps compound it). Both are
+# held against the fp64 reference of the same
+# steps (``fp64_reference``, TP=1, the runs' stored weights and inputs): lowrank's error within
+# three times the gather path's own error in the same precision, plus 4 ulps
+# (regather.testing.numerics).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,11 +40,10 @@ def test_parity_with_gather_over_steps(dtype, fuse):
         runs = res["parity"][(dtype, fuse)]
         gather, lowrank = runs["gather"], runs["lowrank"]
         assert len(lowrank) == 3
-        for step, (g, lr) in enumerate(zip(gather, lowrank)):
+        for step, (g, lr, ref) in enumerate(zip(gather, lowrank, res["reference"][dtype])):
             assert lr["decision"] == "lowrank" and g["decision"] == "gather"
             for name in ("out", "dx", "dA", "dB"):
-                err = rel_err(lr[name], g[name])
-                assert err <= TOL[dtype], f"rank {rank} step {step} {name}: relative error {err:.2e}"
+                check_rounding(lr[name], g[name], ref[name], f"rank {rank} step {step} {name}", dtype=DTYPES[dtype])
                 assert g[name].abs().max() > 0, f"{name} is trivially zero"
 
 
@@ -49,11 +53,13 @@ def test_dA_summed_over_tp_identical_on_ranks_and_equal_to_tp1_reference():
         per_rank = [res["parity"][("float32", False)]["lowrank"][step]["dA"] for res in results]
         # the classic bug (replicated factor never summed over TP) makes the ranks differ
         torch.testing.assert_close(per_rank[0], per_rank[1], rtol=0, atol=0)
-        ref = results[0]["reference"][step]["dA"]
-        assert rel_err(per_rank[0], ref) <= 1e-6, f"step {step}: dA vs TP=1 fp64"
-        for _rank, res in enumerate(results):
+        ref = results[0]["reference"]["float32"][step]
+        gather = [res["parity"][("float32", False)]["gather"][step] for res in results]
+        # the full dA against TP=1 in fp64, within rounding of the gather path's (its shards gathered)
+        check_rounding(per_rank[0], gather[0]["dA"], ref["dA"], f"step {step}: dA vs TP=1 fp64")
+        for rank, res in enumerate(results):
             out = res["parity"][("float32", False)]["lowrank"][step]["out"]
-            assert rel_err(out, res["reference"][step]["out"]) <= 1e-6
+            check_rounding(out, gather[rank]["out"], res["reference"]["float32"][step]["out"], f"step {step}: out")
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
@@ -103,7 +109,8 @@ def test_state_dict_any_strategy_loads_into_any_other():
             torch.testing.assert_close(case["eval"], case["ref"], rtol=0, atol=0,
                                        msg=lambda m: f"rank {rank} {src}->{dst} eval: {m}")
             assert case["used"] == dst
-            assert rel_err(case["train"], case["ref"]) <= 1e-6, f"{src}->{dst} train-mode output"
+            # train mode runs dst's path (lowrank: another summation order than the gather path's eval)
+            check_rounding(case["train"], case["ref"], case["ref64"], f"{src}->{dst} train-mode output")
 
 
 def test_lowrank_bytes_saved_and_communicated():

@@ -4,7 +4,7 @@ CPU part: the pure-Python routing with stand-in classes (``regather.testing.fake
 GPU part (``TestRealTE``): a real ``TELayerNormColumnParallelLinear``; skips
 unless transformer_engine imports and CUDA is available. Transformer Engine is
 never installed on CPU machines (it breaks ``import megatron.core`` there,
-design.md §6), so on CPU those tests always skip with that reason.
+docs/design.md §6), so on CPU those tests always skip with that reason.
 The two-rank routing check (gathered vs local LayerNorm output, all three
 strategies) is ``tests/megatron/test_te_routing.py``.
 """
@@ -23,7 +23,7 @@ from regather.megatron.dense import te
 from regather.testing.fake_te import TEColumnParallelLinear, TELayerNormColumnParallelLinear
 
 TE_SKIP = ("transformer_engine is not installed: it is never installed on CPU machines "
-           "(design.md §6); run on a CUDA machine with Transformer Engine")
+           "(docs/design.md §6); run on a CUDA machine with Transformer Engine")
 
 
 # ---------------------------------------------------------------- recognition and sizes

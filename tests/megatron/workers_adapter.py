@@ -37,9 +37,37 @@ def _inputs(rank, t, s, b, h, o, dtype, column, micro_batches, seed=11):
     return out
 
 
+def _gathered(t: torch.Tensor, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim)
+
+
+def fp64_reference(adapter, data, rank, t) -> dict:
+    """The column-parallel adapter's function in fp64 on every rank's data (``data``: this rank's
+    ``(x, dy)`` per micro-batch, x split over the sequence, dy over the output features), from its
+    weights as they are: this rank's output and input-gradient shards per micro-batch, and its
+    LoRA-A rows and LoRA-B gradients summed over the micro-batches (the reference of results that
+    are not the same GEMMs as the gather path's; regather.testing.numerics)."""
+    a = adapter.linear_in.weight.detach()
+    a = a if a.shape[0] == adapter.dim else _gathered(a, 0)  # a replicated (lowrank) LoRA-A is full
+    a = a.double().requires_grad_()
+    b = _gathered(adapter.linear_out.weight.detach(), 0).double().requires_grad_()
+    out = {"y": [], "dx": []}
+    for x, dy in data:
+        x_full = _gathered(x.detach(), 0).double().requires_grad_()
+        y = (x_full @ a.t()) @ b.t() * adapter.scale
+        y.backward(_gathered(dy, 2).double())
+        out["y"].append(y.detach().chunk(t, 2)[rank])
+        out["dx"].append(x_full.grad.chunk(t, 0)[rank])
+    out.update(dA=a.grad.chunk(t, 0)[rank], dB=b.grad.chunk(t, 0)[rank])
+    return out
+
+
 def run_adapter(rank, t, strategy, *, s=16, b=2, h=32, o=48, r=8, dtype=torch.float32, column=True,
-                sp=True, fuse=False, micro_batches=1, dropout=0.0, dropout_position="pre"):
-    """Forward/backward ``micro_batches`` times; return outputs and every gradient."""
+                sp=True, fuse=False, micro_batches=1, dropout=0.0, dropout_position="pre", fp64=False):
+    """Forward/backward ``micro_batches`` times; return outputs and every gradient (with ``fp64``, also
+    their fp64 reference under ``"fp64"``: :func:`fp64_reference`)."""
     enable_megatron_cpu()
     adapter = make_adapter(strategy, h=h, o=o, r=r, dtype=dtype, column=column, sp=sp, fuse=fuse,
                            dropout=dropout, dropout_position=dropout_position)
@@ -59,6 +87,8 @@ def run_adapter(rank, t, strategy, *, s=16, b=2, h=32, o=48, r=8, dtype=torch.fl
         result["dx"].append(x.grad)
         result["saved_adapter_input"] = saved.of(ADAPTER_INPUT)
     result["decision"] = adapter.last_decision
+    if fp64:
+        result["fp64"] = fp64_reference(adapter, _inputs(rank, t, s, b, h, o, dtype, column, micro_batches), rank, t)
     if fuse:
         shape = lambda w: None if w.grad is None else tuple(w.grad.shape)
         result.update(dA=a.main_grad, dB=bw.main_grad, A_grad_shape=shape(a), B_grad_shape=shape(bw),

@@ -86,6 +86,15 @@ def canonical(variant: str = "early", tp: int = TP, dtype=torch.float32, fuse: b
     return model
 
 
+def fp64_twin(model, tp: int = TP, **kw):
+    """``model``'s function in fp64 on the gather path, from its weights as they are (fp32 or bf16):
+    the reference of results that are not the same GEMMs (regather.testing.numerics); its loss too
+    (:func:`forward_loss`)."""
+    twin = canonical("gather", tp=tp, dtype=torch.float64, **kw)
+    twin.load_state_dict(model.state_dict(), strict=True)
+    return twin
+
+
 def fused_lora(variant: str = "early", tp: int = TP, targets=("linear_qkv", "linear_proj", "linear_fc1",
                                                                "linear_fc2"), dim: int = DIM, alpha: int = ALPHA,
                seed: int = ADAPTER_SEED, **lora):
@@ -150,12 +159,18 @@ def _grads(model, fuse: bool) -> dict:
 
 
 def forward_loss(model, data):
-    """Logits ``[b, s, v/t]`` and megatron's vocab-parallel per-token loss."""
+    """Logits ``[b, s, v/t]`` and megatron's vocab-parallel per-token loss. The cross entropy works in
+    place on an fp32 input (it leaves the softmax there): it gets a copy, so the logits stay logits in
+    every dtype. megatron's runs in fp32 whatever the logits; the fp64 reference's runs in fp64."""
     from megatron.core import tensor_parallel
 
     inputs, labels, position_ids, mask = data
     logits = model(inputs, position_ids, mask)
-    return logits, tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+    if logits.dtype == torch.float64:
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)  # its backward: this rank's part
+        per_token = F.cross_entropy(full.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+        return logits, per_token
+    return logits, tensor_parallel.vocab_parallel_cross_entropy(logits.float().clone(), labels)
 
 
 def measure(model, data=None, fuse: bool = False) -> dict:
@@ -273,6 +288,13 @@ def parity_runs() -> dict:
                     res["full"] = to_full(res, model)
                 out[(str(dtype).split(".")[-1], fuse, variant)] = res
     out["base_logits"] = forward_loss(base(), batch())[0].detach()  # the frozen model: the adapters' effect
+    out["fp64"] = {}
+    for dtype in (torch.float32, torch.bfloat16):  # the same function in fp64, from each dtype's weights
+        twin = fp64_twin(canonical("gather", dtype=dtype))
+        res = measure(twin)
+        if dtype == torch.float32:
+            res["full"] = to_full(res, twin)
+        out["fp64"][str(dtype).split(".")[-1]] = res
     return out
 
 
@@ -311,6 +333,10 @@ def subset_runs(tp: int = TP) -> dict:
         _zero_missing_b(reference, {n for n, _ in models["gather"].named_parameters()})
         res = {"reference": measure(reference), "names": sorted(n for n, _ in models["gather"].named_parameters()
                                                                 if ".adapter." in n)}
+        if tp > 1:
+            twin = fp64_twin(reference, tp=tp)
+            res["fp64"] = measure(twin)
+            res["fp64"]["full"] = to_full(res["fp64"], twin)
         for variant, model in models.items():
             res[variant] = measure(model)
             res[variant]["decisions"] = decisions(model)
@@ -483,7 +509,8 @@ def dist_checkpoint_save(root: str) -> dict:
     dist.barrier()
     dist_checkpointing.save(saver.sharded_state_dict(), path)
     dist.barrier()
-    out = {"path": path, "weights": full_params(saver), "logits": full(forward_loss(saver, data)[0].detach(), -1)}
+    out = {"path": path, "weights": full_params(saver), "logits": full(forward_loss(saver, data)[0].detach(), -1),
+           "logits64": full(forward_loss(fp64_twin(saver), data)[0].detach(), -1)}
     layout = {}
     for key, v in saver.sharded_state_dict().items():
         if key.startswith("decoder.layers.0.") and ".adapter." in key and key.endswith(".weight"):

@@ -67,20 +67,24 @@ def train_steps(rank, t, strategy, *, dtype, fuse, steps=3, config=None, **kw):
     return rows
 
 
-def fp64_reference(rank, t, *, steps=3):
-    """TP=1 in fp64 from the same master weights and inputs; per step the full dA and out shard."""
-    adapter = make_adapter(Strategy.GATHER, h=H, o=OUT, r=R, dtype=torch.float32)
+def fp64_reference(rank, t, *, dtype=torch.float32, steps=3):
+    """TP=1 in fp64 from the master weights and inputs ``train_steps`` holds in ``dtype``; per step
+    this rank's output and input-gradient shards, the full dA and this rank's dB shard. Each SGD
+    step stores the weights in ``dtype`` again, as the runs do."""
+    adapter = make_adapter(Strategy.GATHER, h=H, o=OUT, r=R, dtype=dtype)
     a = _gather0(adapter.linear_in.weight.detach()).double().requires_grad_()
     b = _gather0(adapter.linear_out.weight.detach()).double().requires_grad_()
     rows = []
-    for x_full, dy_full in _full_inputs(steps, torch.float32):
+    for x_full, dy_full in _full_inputs(steps, dtype):
         a.grad = b.grad = None
-        y = (x_full.double() @ a.t()) @ b.t() * adapter.scale
+        x = x_full.double().requires_grad_()
+        y = (x @ a.t()) @ b.t() * adapter.scale
         y.backward(dy_full.double())
-        rows.append({"out": y.detach().chunk(t, 2)[rank], "dA": a.grad.clone()})
+        rows.append({"out": y.detach().chunk(t, 2)[rank], "dx": x.grad.chunk(t, 0)[rank].clone(),
+                     "dA": a.grad.clone(), "dB": b.grad.chunk(t, 0)[rank].clone()})
         with torch.no_grad():
-            a.sub_(LR * a.grad)
-            b.sub_(LR * b.grad)
+            for w in (a, b):
+                w.copy_((w - LR * w.grad).to(dtype).double())
     return rows
 
 
@@ -164,6 +168,9 @@ def state_dict_cases(rank, t):
         a.eval()
         with torch.no_grad():
             ref = a(x)
+            # the same function in fp64: column-parallel LoRA-B, so this rank's output features
+            a_full = _full_a(a, a.linear_in.weight.detach()).double()
+            ref64 = (_gather0(x).double() @ a_full.t()) @ a.linear_out.weight.detach().double().t() * a.scale
         for dst in strategies:
             b = make_adapter(dst, h=H, o=OUT, r=R, dtype=torch.float32, seed=1234)
             b.load_state_dict(sd)
@@ -172,7 +179,7 @@ def state_dict_cases(rank, t):
                 got_eval = b(x)
             b.train()
             got_train = b(x.clone().requires_grad_()).detach()
-            res[(src.value, dst.value)] = {"ref": ref, "eval": got_eval, "train": got_train,
+            res[(src.value, dst.value)] = {"ref": ref, "ref64": ref64, "eval": got_eval, "train": got_train,
                                            "sd_shape": tuple(sd["linear_in.weight"].shape),
                                            "used": b.last_decision.used.value}
     # run-time switch: gather -> lowrank -> gather keeps the weights
@@ -209,7 +216,8 @@ def lowrank_suite(rank, t):
             key = (str(dtype).split(".")[-1], fuse)
             res["parity"][key] = {s.value: train_steps(rank, t, s, dtype=dtype, fuse=fuse)
                                   for s in (Strategy.GATHER, Strategy.LOWRANK)}
-    res["reference"] = fp64_reference(rank, t)
+    res["reference"] = {str(dtype).split(".")[-1]: fp64_reference(rank, t, dtype=dtype)
+                        for dtype in (torch.float32, torch.bfloat16)}
     res["finalize"] = {fuse: finalize_model_grads_case(rank, t, fuse=fuse) for fuse in (False, True)}
     res["fallback"] = fallback_cases(rank, t)
     res["state_dict"] = state_dict_cases(rank, t)

@@ -13,7 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from workers_adapter import _inputs, make_adapter
+from workers_adapter import _inputs, fp64_reference, make_adapter
 
 from regather import Strategy
 from regather.core.accounting import CollectiveBytes, SavedBytes
@@ -209,7 +209,7 @@ def raise_or_block(rank, t, delay=1.0):
     dist.all_reduce(x)  # a first step that both ranks finish
     if rank == 1:
         time.sleep(delay)
-        raise RuntimeError("rank 1 failed mid-step (injected)")
+        raise RuntimeError(f"rank 1 failed mid-step (injected at t={time.time():.3f})")
     dist.all_reduce(x)  # waits for rank 1 forever (until the pg timeout)
     return "unreachable"
 
@@ -282,6 +282,9 @@ def bad_inputs(rank, t):
         y = ad(xi)
         y.backward(dy)
         out[("nan", st.value)] = {"y": y.detach(), "dx": xi.grad, **_grads(ad, rank, t)}
+        if st == Strategy.GATHER:  # the same function in fp64 (the same weights in every strategy)
+            ref = fp64_reference(ad, [(x, dy)], rank, t)
+            out[("nan", "fp64")] = {"y": ref["y"][0], "dx": ref["dx"][0], "dA": ref["dA"], "dB": ref["dB"]}
     return out
 
 

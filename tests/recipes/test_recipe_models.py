@@ -29,7 +29,7 @@ def runs():
 
 
 def test_recipes_own_lora_settings():
-    """What the recipes set (design.md §10): Qwen3 dim 8 / alpha 16 on linear_qkv + linear_proj;
+    """What the recipes set (docs/design.md §10): Qwen3 dim 8 / alpha 16 on linear_qkv + linear_proj;
     GPT-OSS keeps Bridge's default LoRA (all four targets, dim 32, alpha 32)."""
     for r in runs():
         for name in ("qwen3_8b", "qwen3_30b_a3b"):

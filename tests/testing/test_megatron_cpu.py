@@ -1,4 +1,4 @@
-"""The CPU patches for megatron-core are idempotent and do what design.md §6 says."""
+"""The CPU patches for megatron-core are idempotent and do what docs/design.md §6 says."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""The CPU patches for megatron's training machinery (design.md §8) are idempotent, scoped to
+"""The CPU patches for megatron's training machinery (docs/design.md §8) are idempotent, scoped to
 megatron's training modules, and the fused-wgrad stand-in does apex's arithmetic."""
 
 import pytest

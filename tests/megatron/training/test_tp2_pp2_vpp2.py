@@ -1,7 +1,7 @@
 """Megatron's training machinery, TP=2 x PP=2 with a virtual pipeline (2 chunks per stage,
 interleaved 1F1B) on 4 gloo ranks: the matrix of ``integration_cases`` against the gather
 path. gloo's batched isend/irecv mixes tensors up here, so ``batch_p2p_comm`` is off
-(design.md §8; ``TrainSpec.batch_p2p_comm``)."""
+(docs/design.md §8; ``TrainSpec.batch_p2p_comm``)."""
 
 import pytest
 from integration_checks import TopologyTests
