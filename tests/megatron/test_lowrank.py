@@ -65,13 +65,16 @@ def test_dA_summed_over_tp_identical_on_ranks_and_equal_to_tp1_reference():
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
 def test_finalize_model_grads_option(fuse):
     results = suite()
-    for _rank, res in enumerate(results):
+    for rank, res in enumerate(results):
         lib, meg = res["finalize"][fuse]["backward"], res["finalize"][fuse]["finalize_model_grads"]
         assert meg["tagged"] is True and lib["tagged"] is False
         # in-library mode: complete already; megatron's function leaves it alone (not tagged)
         torch.testing.assert_close(lib["after"], lib["before"], rtol=0, atol=0)
-        # finalize mode: partial before (ranks differ), complete after
-        assert rel_err(meg["after"], lib["after"]) <= 1e-6
+        # finalize mode: partial before (ranks differ), complete after. The same products summed in
+        # another order (over the micro-batches, fused: in the GEMM into main_grad, then over TP; the
+        # library reduces each micro-batch's partial over TP first): both against the fp64 dA
+        # (measured 5.8e-8 apart, 1.6e-7 from fp64; a missing TP sum is O(1))
+        check_rounding(meg["after"], lib["after"], res["finalize"][fuse]["fp64"], f"rank {rank} fuse {fuse} dA after")
         assert rel_err(meg["before"], lib["after"]) > 1e-3
     torch.testing.assert_close(results[0]["finalize"][fuse]["finalize_model_grads"]["after"],
                                results[1]["finalize"][fuse]["finalize_model_grads"]["after"], rtol=0, atol=0)

@@ -112,6 +112,12 @@ def finalize_model_grads_case(rank, t, *, fuse, micro_batches=2):
         _allreduce_non_tensor_model_parallel_grads([chunk], config, parallel_state.get_tensor_model_parallel_group())
         out[mode] = {"before": before, "after": _grads(adapter, fuse)[0],
                      "tagged": adapter.linear_in.weight.sequence_parallel}
+    # the full dA summed over the micro-batches in fp64 from the same weights (both modes' init)
+    a = adapter.linear_in.weight.detach().double().requires_grad_()  # replicated: the full [r, h]
+    b = _gather0(adapter.linear_out.weight.detach()).double()
+    for x_full, dy_full in _full_inputs(micro_batches, torch.float32):
+        ((x_full.double() @ a.t()) @ b.t() * adapter.scale).backward(dy_full.double())
+    out["fp64"] = a.grad
     parallel_state.destroy_model_parallel()
     return out
 
