@@ -188,10 +188,12 @@ def test_torch_path(dtype):
 
 def test_torch_path_chunks_match_single_product():
     mg0, go, x = _inputs(257, 5, 19, torch.bfloat16)
-    a, b = mg0.clone(), mg0.clone()
+    a = mg0.clone()
     wgrad_accumulate_torch(a, go, x, chunk_rows=64)  # 5 chunks, last one partial
-    wgrad_accumulate_torch(b, go, x, chunk_rows=10_000)
-    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
+    # the same exact products summed in another order (per chunk, then into main_grad) than the one
+    # product (one chunk) of the default path: held against the fp64 sum within a multiple of that
+    # path's own error (an element-wise rtol=1e-6, atol=1e-5 of it measured at 0.17 of its bound)
+    _assert_accurate(a, mg0, go, x, calls=1)
 
 
 def test_fp32_torch_path_is_addmm():
