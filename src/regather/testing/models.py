@@ -192,4 +192,4 @@ def gpt_loss(model, batch) -> torch.Tensor:
     """Mean next-token loss (megatron's vocab-parallel cross entropy)."""
     inputs, labels, position_ids, mask = batch
     per_token = model(inputs, position_ids, mask, labels=labels)
-    return per_token.float().mean()
+    return per_token.to(torch.promote_types(per_token.dtype, torch.float32)).mean()  # fp64 stays fp64

@@ -70,6 +70,9 @@ class Case:
     # test-only fault: on this rank, the route check of each MoE layer sees wrong rows
     # (regather.megatron.moe.dispatch.Route's last step perturbed without autograd)
     fault_rank: int | None = None
+    # variants also trained in float64 from the same weights and batches, under "fp64": the
+    # references of results that are other summation orders (regather.testing.numerics)
+    fp64: tuple = ()
 
     @property
     def world(self) -> int:
@@ -139,7 +142,8 @@ def _step(model, micro_batches: list, first=None, schedule: str = "step", out: d
     if schedule == "retain":
         tokens, _, position_ids, mask = micro_batches[0]
         with first if first is not None else contextlib.nullcontext():
-            loss = model(tokens, position_ids, mask).float().square().mean()
+            logits = model(tokens, position_ids, mask)
+            loss = logits.to(torch.promote_types(logits.dtype, torch.float32)).square().mean()
         loss.backward(retain_graph=True)
         if out is not None:
             out.setdefault("retain_first", {n: p.grad.detach().clone() for n, p in model.named_parameters()
@@ -204,7 +208,8 @@ def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> di
             out.setdefault("comm_steps", []).append(comm.snapshot())
             reduce_like_ddp(named)
             if step == 0:
-                out["first_grads"] = layout.scatter({n: p.grad.detach().float().clone() for n, p in named.items()})
+                out["first_grads"] = layout.scatter({n: p.grad.detach().to(torch.promote_types(p.dtype, torch.float32))
+                                                     .clone() for n, p in named.items()})
                 if "retain_first" in out:  # the same global names
                     out["retain_first"] = {g: t for g, (_, t) in layout.scatter(out["retain_first"]).items()}
             if step == case.steps - 1:
@@ -240,6 +245,8 @@ def case_worker(rank: int, world_size: int, group: tuple, cases: dict) -> dict:
         case = cases[name]
         with _fault(case, rank):
             out[name] = {v: train(case, v) for v in case.variants}
+            if case.fp64:
+                out[name]["fp64"] = {v: train(replace(case, dtype="float64"), v) for v in case.fp64}
     return out
 
 
