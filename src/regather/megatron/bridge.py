@@ -217,3 +217,9 @@ class LoRA(BridgeLoRA):
         if isinstance(module, nn.Linear) or not (is_parallel_linear(module) or experts.is_grouped_linear(module)):
             return False
         return not (self.experts_shared_outer_loras and experts.is_grouped_linear(module))
+
+
+# Users, YAML configs and pickles name the class by its public path (``regather.bridge`` imports it
+# from here): megatron's config container writes ``_target_`` from ``__module__`` for a dataclass
+# without ``to_cfg_dict``, and pickle looks the class up by it.
+LoRA.__module__ = "regather.bridge"

@@ -44,7 +44,9 @@ _IMPORT_ALL = """
     import regather
     assert "megatron.bridge" not in sys.modules, "import regather imported megatron.bridge"
     for info in pkgutil.walk_packages(regather.__path__, "regather."):
-        if info.name == "regather.bridge" or info.name.endswith("__main__"):
+        # the two modules that are Bridge's front end: importing them needs Bridge (regather.bridge
+        # is the public alias of regather.megatron.bridge)
+        if info.name in ("regather.bridge", "regather.megatron.bridge") or info.name.endswith("__main__"):
             continue
         try:
             importlib.import_module(info.name)

@@ -104,7 +104,7 @@ def test_regather_bridge_lora_through_bridge_protocol(runs):
         for strategy in ("regather", "lowrank"):
             p = res[f"rb/{strategy}/protocol"]
             assert p["is_bridge_lora"] and p["returned_list"] and p["training"]
-            assert p["wrapper_types"] == ["regather.megatron.lora.LoRALinear"]
+            assert p["wrapper_types"] == ["regather.megatron.dense.wrapper.LoRALinear"]
             # set_params_to_save / adapter_key_filter (Bridge's own) pick exactly the adapter weights,
             # by the same names as in Bridge's model
             assert p["params_to_save"] == p["trainable"] == res["bridge_trainable"]
