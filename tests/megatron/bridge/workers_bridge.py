@@ -85,7 +85,8 @@ def measure(model, batch) -> dict:
         p.grad = None
     with CollectiveBytes() as comm, SavedBytes.for_model(model) as saved:
         logits = model(inputs, position_ids, mask)  # [b, s, v/t]
-        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+        # fp32 for bf16 (as before); an fp64 reference model stays fp64
+        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
         forward_comm = comm.snapshot()
         per_token.mean().backward()
     return {
@@ -116,7 +117,8 @@ def input_grad(model, batch) -> torch.Tensor:
         for p in model.parameters():
             p.grad = None
         logits = model(inputs, position_ids, mask)
-        tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean().backward()
+        tensor_parallel.vocab_parallel_cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+                                                     labels).mean().backward()
     finally:
         handle.remove()
     for p in model.parameters():

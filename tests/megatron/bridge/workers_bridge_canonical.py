@@ -59,11 +59,12 @@ def bridge_adapter_cls():
     return importlib.import_module("megatron.bridge.peft.utils").ParallelLinearAdapter
 
 
-def base_model(tp: int = TP, config: dict = GATED, sp: bool = True, shape: TinyGPT = SHAPE):
+def base_model(tp: int = TP, config: dict = GATED, sp: bool = True, shape: TinyGPT = SHAPE,
+               dtype: torch.dtype = torch.float32):
     from regather.testing.models import build_gpt
 
-    parallel(tp)
-    return build_gpt(shape, tp, sequence_parallel=sp, dtype=torch.float32, seed=BASE_SEED, init_parallel=False,
+    parallel(tp)  # megatron draws CPU-initialised weights in fp32 whatever params_dtype: fp64 is their cast
+    return build_gpt(shape, tp, sequence_parallel=sp, dtype=dtype, seed=BASE_SEED, init_parallel=False,
                      **config)
 
 
@@ -80,10 +81,10 @@ def bridge_model(tp: int = TP, targets=None, config: dict = GATED, sp: bool = Tr
 
 
 def regather_model(variant: str = "early", tp: int = TP, targets=None, config: dict = GATED, sp: bool = True,
-                   shape: TinyGPT = SHAPE, seed: int = MINE_SEED):
+                   shape: TinyGPT = SHAPE, seed: int = MINE_SEED, dtype: torch.dtype = torch.float32):
     from regather import CanonicalLoRA
 
-    model = base_model(tp, config, sp, shape)
+    model = base_model(tp, config, sp, shape, dtype)
     strategy, early = VARIANTS[variant]
     torch.manual_seed(seed)  # regather's own init (other than Bridge's): loads must replace it
     kw = {} if targets is None else {"target_modules": list(targets)}
@@ -211,6 +212,10 @@ def parity(out: dict) -> None:
     for variant in VARIANTS:
         models[f"regather/{variant}"] = regather_model(variant)
         W.copy_adapters(reference, models[f"regather/{variant}"])
+    # the same function in fp64 from the same weights: the reference of lowrank (another summation
+    # order than the gather path's; regather.testing.numerics)
+    models["fp64"] = regather_model("gather", dtype=torch.float64)
+    W.copy_adapters(reference, models["fp64"])
     for name, model in models.items():
         out[name] = run(model)
         if name in ("bridge/gather", "regather/early"):
@@ -233,6 +238,10 @@ def state_dicts(out: dict) -> None:
         before = logits(model, data)
         model.load_state_dict(bsd, strict=True)
         msd = model.state_dict()
+        if variant == "lowrank":  # its reference: Bridge's weights in an fp64 model
+            ref64 = regather_model("gather", dtype=torch.float64)
+            ref64.load_state_dict(bsd, strict=True)
+            out["bridge->fp64"] = logits(ref64, data)
         out[f"bridge->{variant}"] = {
             "before": before, "after": logits(model, data), "ref": ref, "keys": list(msd),
             "same_mapping": msd.keys() == bsd.keys() and all(
