@@ -33,9 +33,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 # one spawn per case (the overlapped case ~60 s on 2 cores; the others less)
 RUNS = SpawnGroups(run_case, WORLD, [[c] for c in CASES], timeout=300)
-# lowrank against gather: tests/megatron/moe/test_moe.py's fp32 bound (norm-relative per tensor;
-# lowrank replicates LoRA-A and sums dA over TP in another order, and the routing of two steps
-# carries the ulps a little further than the dense matrix's 1e-6 / 3e-6)
+# lowrank against gather, norm-relative per tensor: lowrank replicates LoRA-A and sums dA over TP in
+# another order, and the routing of two steps carries the ulps further. test_moe holds the same
+# comparison against an fp64 run (measured up to 1.2e-6 apart there); megatron's DDP keeps fp32
+# gradient buffers, so this one keeps a fixed bound, about 8x what was measured.
 LOWRANK_TOL = 1e-5
 RUNS_OF = [(c, s) for c, (_, strategies) in CASES.items() for s in strategies]
 COMPARED = [(c, s) for c, s in RUNS_OF if s not in ("gather", "megatron")]
