@@ -54,21 +54,35 @@ clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
 
 # The distributed and integration tests (megatron's DDP, optimizer, schedules, dist_checkpointing)
-# against megatron-core 0.19.2 (needs Python 3.12 on paper; it runs on 3.11 when placed beside the
-# pinned stack with PYTHONPATH, design.md §6; it imports triton).
+# against megatron-core 0.19.2, which declares Python 3.12. Where Python 3.12 is found they run in
+# the 3.12 tier's venv (.venv312, .ci/venv312.sh), megatron-core 0.19.2 installed there as a package
+# (tests/torchtitan imports no megatron and runs in make test; the Bridge and recipe tiers have
+# their own targets). Without Python 3.12: megatron-core 0.19.2 placed beside the 3.11 stack with
+# PYTHONPATH (design.md §6; it imports triton), which make test-bridge uses in any case.
 COMPAT_DIR := .venv-compat/mcore019
 COMPAT_PIN := megatron-core==0.19.2
+VENV312 := .venv312
+COMPAT_ARGS := -m distributed --ignore=tests/megatron/bridge --ignore=tests/testing --ignore=tests/recipes \
+	--ignore=tests/torchtitan tests
 
 $(COMPAT_DIR)/.installed: $(STAMP)
 	$(PIP) install -q --no-deps --ignore-requires-python --target $(COMPAT_DIR) \
 		--python-version 3.12 --only-binary=:all: $(COMPAT_PIN)
 	touch $@
 
-.PHONY: test-compat
-test-compat: $(COMPAT_DIR)/.installed
+.PHONY: test-compat test-compat-311
+test-compat:
+	@.ci/venv312.sh $(VENV312); rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "make test-compat: no Python 3.12 here: megatron-core 0.19.2 beside the 3.11 stack instead"; \
+		exec $(MAKE) --no-print-directory test-compat-311; fi; \
+	[ $$rc -eq 0 ] || exit $$rc
+	PYTHONPATH=src $(VENV312)/bin/python -c "import megatron.core as m, sys; \
+		assert m.__version__.startswith('0.19.2'), m.__version__; print('megatron-core', m.__version__, 'installed, Python', sys.version.split()[0])"
+	PYTHONPATH=src $(VENV312)/bin/python -m pytest -q -n $(JOBS) --dist loadfile $(COMPAT_ARGS)
+
+test-compat-311: $(COMPAT_DIR)/.installed
 	PYTHONPATH=$(COMPAT_DIR) $(PY) -c "import megatron.core as m; assert m.__version__.startswith('0.19.2'), m.__version__"
-	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile -m distributed \
-		--ignore=tests/megatron/bridge --ignore=tests/testing tests
+	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile $(COMPAT_ARGS)
 
 # The tests against the real Megatron Bridge (tests/megatron/bridge; ~2 min on 2 cores). megatron-bridge 0.6.2 is a
 # pure-Python wheel that declares Python 3.12 and a GPU stack: it goes beside the pinned stack like
@@ -97,7 +111,6 @@ test-bridge: $(BRIDGE_DIR)/.installed $(COMPAT_DIR)/.installed
 # the real megatron-bridge 0.6.2 and megatron-core 0.19.2 installed as packages in .venv312
 # (.ci/venv312.sh builds it from requirements-py312.txt; never Transformer Engine). Skipped, saying
 # so, where this machine has no Python 3.12.
-VENV312 := .venv312
 
 .PHONY: test-recipes
 test-recipes:
