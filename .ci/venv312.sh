@@ -15,7 +15,8 @@
 # How (design.md §10): PyPI's one cp312 Linux wheel of torch 2.13.0 is the CUDA 13.0 build; it
 # runs on CPU once the CUDA library wheels it links are there. Those come --no-deps --no-index from
 # the local wheel folders (REGATHER_WHEEL_DIRS, default: /opt/wheels /opt/pypi/files
-# /opt/pypi-more/files, the folders pip is configured with here); everything else comes --no-deps
+# /opt/pypi-more/files, the folders pip is configured with here; from the index where none exists);
+# everything else comes --no-deps
 # from the index, fully pinned, so pip never resolves torch's requirements (no second torch, no
 # second CUDA set). Transformer Engine is never installed; the script fails if it finds it.
 set -euo pipefail
@@ -59,7 +60,11 @@ wheel_dirs=()
 for d in ${REGATHER_WHEEL_DIRS:-/opt/wheels /opt/pypi/files /opt/pypi-more/files}; do
     [ -d "$d" ] && wheel_dirs+=(--find-links "$d")
 done
-[ ${#wheel_dirs[@]} -gt 0 ] || { echo "no local wheel folder found (REGATHER_WHEEL_DIRS)" >&2; exit 1; }
+cuda_from=(--no-index "${wheel_dirs[@]}")
+if [ ${#wheel_dirs[@]} -eq 0 ]; then  # the same pinned wheels from the package index: ~3 GB to download
+    echo "no local wheel folder (REGATHER_WHEEL_DIRS): the CUDA library wheels come from the package index"
+    cuda_from=()
+fi
 
 case "$(realpath -m "$VENV")" in
     / | "$(realpath .)" | "$(realpath -m "$HOME")") echo "refusing to use $VENV as the environment folder" >&2; exit 2 ;;
@@ -78,7 +83,7 @@ export PIP_NO_INPUT=1
 # shellcheck disable=SC2046
 "${PIP[@]}" install -q --no-deps $(section torch)
 # shellcheck disable=SC2046
-"${PIP[@]}" install -q --no-deps --no-index "${wheel_dirs[@]}" $(section cuda)
+"${PIP[@]}" install -q --no-deps "${cuda_from[@]}" $(section cuda)
 # shellcheck disable=SC2046
 "${PIP[@]}" install -q --no-deps $(section torch-users) $(section pure)
 
