@@ -96,6 +96,25 @@ def init_model_parallel(
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def keep_fp64_cross_entropy() -> None:
+    """megatron's vocab-parallel cross entropy casts its logits to fp32 (``calculate_logits_max``'s
+    ``.float()``), which rounds an fp64 reference model's loss and its logits' gradient to fp32 (the
+    fp32 model's loss then equals it bit for bit). Patched once: fp64 logits stay fp64, any other dtype
+    is cast to fp32 as before. :func:`build_gpt` and ``build_moe_gpt`` apply it to fp64 models."""
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as CE
+
+    if getattr(CE.calculate_logits_max, "_keeps_fp64", False):
+        return
+
+    def calculate_logits_max(vocab_parallel_logits):
+        if vocab_parallel_logits.dtype != torch.float64:
+            vocab_parallel_logits = vocab_parallel_logits.float()
+        return vocab_parallel_logits, torch.max(vocab_parallel_logits, dim=-1)[0]
+
+    calculate_logits_max._keeps_fp64 = True
+    CE.calculate_logits_max = staticmethod(calculate_logits_max)
+
+
 def build_gpt(
     shape: TinyGPT,
     tp: int,
@@ -133,6 +152,8 @@ def build_gpt(
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if dtype == torch.float64:
+        keep_fp64_cross_entropy()
     torch.manual_seed(seed)
     config = TransformerConfig(
         num_layers=shape.layers,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from regather.megatron.reasons import REPLAYED_DISPATCHERS
-from regather.testing.models import MEGATRON_NAMES, TinyGPT, accepts_megatron_names
+from regather.testing.models import MEGATRON_NAMES, TinyGPT, accepts_megatron_names, keep_fp64_cross_entropy
 
 # megatron's dispatchers the CPU harness builds (the flex one needs DeepEP, a GPU): those whose
 # route regather replays
@@ -122,6 +122,8 @@ def build_moe_gpt(shape: TinyMoE, tp: int, ep: int, etp: int | None = None, dtyp
         init_moe_parallel(tp, ep, etp, seed)
     else:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if dtype == torch.float64:
+        keep_fp64_cross_entropy()
     torch.manual_seed(seed)
     config = moe_config(shape, tp, ep, etp, dtype, **overrides)
     model = GPTModel(config=config, transformer_layer_spec=moe_layer_spec(shape, config),
