@@ -272,7 +272,15 @@ class _fault:
         dispatch.Route._finish = self.original
 
 
-def reference_worker(rank: int, world_size: int, group: tuple, cases: dict) -> dict:
+def reference_worker(rank: int, world_size: int, group: tuple, cases: dict, fp64: bool = False) -> dict:
     """Each case of ``group`` on one rank (TP = EP = ETP = 1): the gather path's results (the case's
-    first variant's transform: ``LoRA``, or ``CanonicalLoRA`` for canonical cases)."""
-    return {name: train(cases[name].reference(), cases[name].variants[0]) for name in group}
+    first variant's transform: ``LoRA``, or ``CanonicalLoRA`` for canonical cases); with ``fp64``, also
+    the same run in float64 under "fp64" (the reference of the layouts' other summation orders,
+    regather.testing.numerics)."""
+    out = {}
+    for name in group:
+        case, variant = cases[name].reference(), cases[name].variants[0]
+        out[name] = train(case, variant)
+        if fp64:
+            out[name]["fp64"] = train(replace(case, dtype="float64"), variant)
+    return out
