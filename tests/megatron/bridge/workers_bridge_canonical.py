@@ -349,11 +349,17 @@ def tp1_phase(res: dict, root: str) -> dict:
     mine = regather_model("gather", tp=1)
     load_full(mine, res["parity"]["bridge_full_weights"])
     out["regather"] = {"logits": logits(mine, data)}
+    # the TP=1 / TP=2 comparisons are other summation orders: their references, the same functions in
+    # fp64 at TP=1 (regather.testing.numerics): Bridge's TP=2 weights, the odd-token model's, regather's
+    # checkpointed ones
+    out["fp64"] = _fp64_logits(res["parity"]["bridge_full_weights"], data)
     # a correct reference for the TP=2 runs Bridge cannot do: Bridge at TP=1
     odd = gpt_batch(ODD, 1, seed=3)
     bridge_odd = bridge_model(tp=1, sp=False, shape=ODD)
     load_full(bridge_odd, res["odd_tokens"]["weights"])
     out["bridge_odd"] = logits(bridge_odd, odd)
+    out["fp64_odd"] = _fp64_logits(res["odd_tokens"]["weights"], odd, sp=False, shape=ODD)
+    out["fp64_mine"] = _fp64_logits(res["ckpt"]["mine_weights"], data)
     ng = bridge_model(tp=1, targets=["linear_fc1_up", "linear_fc1_gate"], config=NOT_GATED)
     load_full(ng, res["not_gated"]["weights"])
     out["bridge_not_gated"] = logits(ng)
@@ -374,6 +380,14 @@ def tp1_phase(res: dict, root: str) -> dict:
     load_full(saver, res["ckpt"]["bridge_weights"])
     _save(import_bridge_checkpointing()._generate_model_state_dict([saver]), f"{root}/bridge_tp1")
     return out
+
+
+def _fp64_logits(weights: dict, data, **kw) -> torch.Tensor:
+    """The logits of the gather path at TP=1 in fp64 with the full adapter ``weights`` (the base
+    model's weights are the fp32 draws', cast)."""
+    model = regather_model("gather", tp=1, dtype=torch.float64, **kw)
+    load_full(model, weights)
+    return logits(model, data)
 
 
 # -- phase 3: TP=2 again -----------------------------------------------------------------------------

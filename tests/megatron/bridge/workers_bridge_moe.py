@@ -11,6 +11,7 @@ folder on ``sys.path``; spawned ranks inherit the parent's path).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from workers_moe import TARGETS, Case, train
 
@@ -49,8 +50,14 @@ def side_by_side(rank: int, world: int, cases: dict) -> dict:
 
 
 def reference(rank: int, world: int, cases: dict) -> dict:
-    """Each case on one rank (TP = EP = ETP = 1) through regather.bridge.LoRA's gather path."""
-    return {name: train(case.reference(), "rb-gather", wrap=wrap) for name, case in cases.items()}
+    """Each case on one rank (TP = EP = ETP = 1) through regather.bridge.LoRA's gather path, and the
+    same run in float64 under "fp64" (the reference of the layouts' other summation orders,
+    regather.testing.numerics)."""
+    out = {}
+    for name, case in cases.items():
+        out[name] = train(case.reference(), "rb-gather", wrap=wrap)
+        out[name]["fp64"] = train(replace(case.reference(), dtype="float64"), "rb-gather", wrap=wrap)
+    return out
 
 
 # -- checkpoints crossing between Bridge's expert adapters and regather's -------------------------------
