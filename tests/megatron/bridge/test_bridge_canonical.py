@@ -35,7 +35,7 @@ S, B, H = WC.SHAPE.seq_length, WC.MICRO_BATCH, WC.SHAPE.hidden_size
 FP32 = 4
 X_FULL, X_LOCAL = S * B * H * FP32, S * B * H * FP32 // T
 X_GATHER = X_FULL * (T - 1) // T
-# TP=1 vs TP=2 (fp32 logits, measured <= 9.5e-7 apart, norm-relative) are other summation orders: the
+# TP=1 vs TP=2 (fp32 logits, measured 9.5e-7 apart on one machine, 2.4e-6 on another, norm-relative) are other summation orders: the
 # TP=2 (or other) result against the TP=1 run's function in fp64, within three times the TP=1 fp32
 # run's own error plus 4 ulps (regather.testing.numerics, ``reshard``)
 QKV, FC1 = "self_attention.linear_qkv", "mlp.linear_fc1"
@@ -246,7 +246,7 @@ def test_bridge_interleave_is_right_at_tp2_with_sequence_parallel(runs):
     to ``[-1, np, hd]`` with the *global* head count. That folds t consecutive tokens into one row,
     and row group g is token ``g // (ng/t)``'s local group g mod ng/t, whose query heads are exactly
     heads ``g*hpg ...`` of the row: the interleave is right token by token. Evidence: Bridge at TP=1
-    and TP=2 on the same full weights agree to 9.5e-7 (norm-relative logits) and regather agrees."""
+    and TP=2 on the same full weights agree to rounding (9.5e-7 to 2.4e-6 of the largest logit, by machine; held against fp64) and regather agrees."""
     for res in runs:
         tp1, p = case(res, "tp1"), case(res, "parity")
         reshard(p["bridge_logits"], tp1["bridge"]["logits"], tp1["fp64"], "Bridge TP=2 vs TP=1")
