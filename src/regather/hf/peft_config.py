@@ -8,11 +8,17 @@ and the target matching follows ``peft.tuners.tuners_utils.check_target_module_e
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+#: The files of a PEFT adapter directory (``PeftModel.save_pretrained``'s names).
+WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_NAME = "adapter_config.json"
 
 #: The PEFT release whose ``LoraConfig`` fields :data:`LORA_CONFIG_DEFAULTS` mirrors.
 PEFT_FIELDS_VERSION = "0.21.2"
@@ -289,3 +295,20 @@ def lora_config(modules: list[ExportedModule], num_layers: int, base_model_name_
         "layers_to_transform": layers_to_transform,
         "layers_pattern": layers_pattern,
     })
+
+
+def write_adapter_dir(directory: str, tensors: Mapping, config: dict, source: str) -> None:
+    """Write ``tensors`` (:data:`WEIGHTS_NAME`, safetensors with ``source`` in its metadata) and
+    ``config`` (:data:`CONFIG_NAME`) to ``directory``. A collective when ``torch.distributed`` is
+    initialised: rank 0 of the default group writes, every rank waits for it."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        meta = {"format": "pt", "regather.source": source}
+        save_file({k: v.cpu() for k, v in tensors.items()}, os.path.join(directory, WEIGHTS_NAME), metadata=meta)
+        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+    if dist.is_initialized():
+        dist.barrier()

@@ -50,17 +50,18 @@ from regather.core import comm
 from regather.hf import layout, torchtitan_peft
 from regather.hf.layout import PEFT_PREFIX, Target
 from regather.hf.peft_config import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
     ExportedModule,
     UnsupportedAdapter,
     check_features,
     lora_config,
     module_lora,
     targeted,
+    write_adapter_dir,
 )
 
-WEIGHTS_NAME = "adapter_model.safetensors"
 WEIGHTS_NAME_BIN = "adapter_model.bin"
-CONFIG_NAME = "adapter_config.json"
 #: PEFT key prefix of decoder layers (``base_model.model.model.layers``).
 PREFIX = f"{PEFT_PREFIX}{layout.HF_LAYERS}"
 
@@ -202,22 +203,13 @@ def export_peft(model: torch.nn.Module, directory: str, *, base_model_name_or_pa
     A collective (every rank must call it); rank 0 of the default group writes.
     Returns the exported tensors (on every rank).
     """
-    from safetensors.torch import save_file
-
     if _torchtitan(model, names):
         return torchtitan_peft.export_peft(model, directory, base_model_name_or_path=base_model_name_or_path,
                                           dtype=dtype)
     _check_no_pipeline()
     tensors, _ = _exported(model, names, dtype)
     config = peft_config(model, tensors, base_model_name_or_path, names)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-        meta = {"format": "pt", "regather.source": "megatron-core LoRA (regather)"}
-        save_file({k: v.cpu() for k, v in tensors.items()}, os.path.join(directory, WEIGHTS_NAME), metadata=meta)
-        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-    if dist.is_initialized():
-        dist.barrier()
+    write_adapter_dir(directory, tensors, config, "megatron-core LoRA (regather)")
     return tensors
 
 

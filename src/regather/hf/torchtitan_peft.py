@@ -28,21 +28,16 @@ every rank; rank 0 writes). Dense decoders only (no MoE experts: torchtitan's Lo
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
-import torch.distributed as dist
 
 from regather.hf.layout import HF_LAYERS, PEFT_PREFIX, split_qkv
-from regather.hf.peft_config import ExportedModule, lora_config
+from regather.hf.peft_config import ExportedModule, lora_config, write_adapter_dir
 
 #: torchtitan linear -> (HF block, HF module)
 NAMES = {"wq": ("self_attn", "q_proj"), "wk": ("self_attn", "k_proj"), "wv": ("self_attn", "v_proj"),
          "wo": ("self_attn", "o_proj"), "w1": ("mlp", "gate_proj"), "w3": ("mlp", "up_proj"),
          "w2": ("mlp", "down_proj")}
 FUSED_QKV = "wqkv"
-WEIGHTS_NAME, CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
 
 
 def lora_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -163,16 +158,7 @@ def export_peft(model: torch.nn.Module, directory: str, *, base_model_name_or_pa
                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json``. A collective (every rank
     calls it); rank 0 of the default group writes. Returns the exported tensors."""
-    from safetensors.torch import save_file
-
     tensors, _ = exported(model, dtype)
     config = peft_config(model, base_model_name_or_path)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-        meta = {"format": "pt", "regather.source": "torchtitan LoRA (regather)"}
-        save_file({k: v.cpu() for k, v in tensors.items()}, os.path.join(directory, WEIGHTS_NAME), metadata=meta)
-        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-    if dist.is_initialized():
-        dist.barrier()
+    write_adapter_dir(directory, tensors, config, "torchtitan LoRA (regather)")
     return tensors
