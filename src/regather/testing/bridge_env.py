@@ -50,6 +50,7 @@ megatron's sequence-parallel linear for LoRA-A) needs nothing beyond
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -167,6 +168,27 @@ def _te_flags_off(utils: types.ModuleType, matcher: types.ModuleType) -> None:
     _SHIMS.append("Bridge HAVE_TE flags False")
 
 
+@contextlib.contextmanager
+def te_stand_in(who: str):
+    """A stand-in ``transformer_engine`` in ``sys.modules`` while the block runs, removed after it:
+    Bridge's ``peft/lora_layers.py`` imports TE unconditionally and only names
+    ``transformer_engine.pytorch.ops.Sequential`` at import; building one raises, naming ``who``."""
+
+    class NoTE:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError(f"Transformer Engine stand-in ({who}): TE is not installed")
+
+    te = types.ModuleType("transformer_engine", "stand-in while megatron.bridge.peft.lora_layers runs")
+    te_pytorch = types.ModuleType("transformer_engine.pytorch")
+    te_pytorch.ops = types.SimpleNamespace(Sequential=NoTE)
+    te.pytorch = te_pytorch
+    sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"] = te, te_pytorch
+    try:
+        yield
+    finally:
+        del sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"]
+
+
 def _import_lora_layers_with_te_stand_in() -> None:
     name = "megatron.bridge.peft.lora_layers"
     if name in sys.modules:
@@ -175,19 +197,8 @@ def _import_lora_layers_with_te_stand_in() -> None:
         importlib.import_module(name)
         return
 
-    class _NoTE:
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError("Transformer Engine stand-in (regather.testing.bridge_env): TE is not installed")
-
-    te = types.ModuleType("transformer_engine", "stand-in while megatron.bridge.peft.lora_layers is imported")
-    te_pytorch = types.ModuleType("transformer_engine.pytorch")
-    te_pytorch.ops = types.SimpleNamespace(Sequential=_NoTE)
-    te.pytorch = te_pytorch
-    sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"] = te, te_pytorch
-    try:
+    with te_stand_in("regather.testing.bridge_env"):
         importlib.import_module(name)
-    finally:
-        del sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"]
     _SHIMS.append("transformer_engine stand-in while importing peft.lora_layers")
 
 

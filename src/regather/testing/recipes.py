@@ -66,6 +66,8 @@ import types
 
 import torch
 
+from regather.testing.bridge_env import te_stand_in
+
 BRIDGE_VERSION = "0.6.2"
 MCORE_VERSION = "0.19.2"
 INSTALL_HINT = (
@@ -156,11 +158,6 @@ _LORA_LAYERS_DEPS = ("megatron.core.transformer.moe.moe_utils", "megatron.bridge
 _SHIMS: list[str] = []
 
 
-class _NoTE:
-    def __init__(self, *args, **kwargs):
-        raise RuntimeError("Transformer Engine stand-in (regather.testing.recipes): TE is not installed")
-
-
 class _LoraLayersLoader(importlib.abc.Loader):
     """Runs lora_layers.py's body with a stand-in ``transformer_engine`` in ``sys.modules``."""
 
@@ -173,15 +170,8 @@ class _LoraLayersLoader(importlib.abc.Loader):
     def exec_module(self, module):
         for name in _LORA_LAYERS_DEPS:
             importlib.import_module(name)
-        te = types.ModuleType("transformer_engine", "stand-in while megatron.bridge.peft.lora_layers executes")
-        te_pytorch = types.ModuleType("transformer_engine.pytorch")
-        te_pytorch.ops = types.SimpleNamespace(Sequential=_NoTE)
-        te.pytorch = te_pytorch
-        sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"] = te, te_pytorch
-        try:
+        with te_stand_in("regather.testing.recipes"):
             self.real.exec_module(module)
-        finally:
-            del sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"]
         _SHIMS.append("transformer_engine stand-in while peft/lora_layers.py executed")
 
 
