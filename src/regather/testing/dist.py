@@ -110,6 +110,21 @@ def _env_float(name: str, default: float) -> float:
 _stack_file = None  # kept open for faulthandler for the life of the rank
 
 
+def die_with_parent(parent_pid: int, status: int = 0) -> None:
+    """Have the kernel SIGKILL this process when its parent exits (``PR_SET_PDEATHSIG``, Linux);
+    exit with ``status`` at once if the parent ``parent_pid`` is already gone (it died before the
+    call took effect)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(status)
+
+
 def _die_with_launcher(launcher_pid: int) -> None:
     """End this rank when the process that launched it dies (a test process killed from outside
     must leave no ranks behind). A spawned rank is the launcher's child: the kernel kills it
@@ -117,15 +132,7 @@ def _die_with_launcher(launcher_pid: int) -> None:
     any process it forked does — so a daemon thread checks the launcher once a second instead (it
     sleeps in between: the stall check does not count it as work)."""
     if os.getppid() == launcher_pid:
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-            except Exception:
-                pass
-        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
-            os._exit(1)
+        die_with_parent(launcher_pid, status=1)
         return
     if not _pid_alive(launcher_pid):
         os._exit(1)

@@ -53,11 +53,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
-import sys
 import types
 
 import torch
+
+from regather.testing.dist import die_with_parent
 
 _ENABLED = False
 
@@ -138,19 +138,6 @@ def _patch_synchronize() -> None:
 
 # -- 4. the write-results Manager ----------------------------------------------------------------
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Manager initializer: SIGKILL this server when the rank that started it exits (Linux)."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        except Exception:
-            pass
-    if os.getppid() != parent_pid:  # the rank died before prctl took effect
-        os._exit(0)
-
-
 def _patch_results_queue() -> None:
     from multiprocessing.managers import SyncManager
 
@@ -167,7 +154,7 @@ def _patch_results_queue() -> None:
     def get_write_results_queue(mp_mode: str = "spawn"):
         if fa._results_queue is None:
             manager = SyncManager(ctx=mp.get_context(mp_mode))
-            manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+            manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
             fa._results_queue = manager.Queue()  # the proxy keeps the manager alive
         return fa._results_queue
 
