@@ -43,10 +43,6 @@ def _unit(summary: dict) -> tuple[str, float]:
     return ("MiB", 2.0**20) if biggest >= 8 * 2**20 else ("KiB", 1024.0)
 
 
-def _num(n: float, scale: float, digits: int = 2) -> str:
-    return f"{n / scale:,.{digits}f}"
-
-
 def _signed(parts: dict, scale: float) -> str:
     cells = [f"{k.replace('_', '-')} {n / scale:+,.3f}" for k, n in parts.items() if n]
     return ", ".join(cells) or "0"
@@ -65,15 +61,9 @@ def bytes_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for name, r in report.ordered(summary):
         by = r["adapter_input_by_kind_mean"]
-        rows.append([name] + [_num(by.get(k, 0), scale) for k in ks]
-                    + [_num(r["adapter_input_bytes_mean"], scale), _num(r["saved_bytes_mean"], scale)])
+        rows.append([name] + [report.scaled(by.get(k, 0), scale) for k in ks]
+                    + [report.scaled(r["adapter_input_bytes_mean"], scale), report.scaled(r["saved_bytes_mean"], scale)])
     return head, rows
-
-
-def _ratio(r: dict, what: str) -> str:
-    if f"step_time_ratio_vs_{what}" not in r:
-        return "-"
-    return f"{r[f'step_time_ratio_vs_{what}']:.3f} / {r[f'paired_step_time_ratio_vs_{what}']:.3f}"
 
 
 def _resends(r: dict, steps: int) -> str:
@@ -98,7 +88,7 @@ def comm_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for name, r in report.ordered(summary):
         base = r.get("variant_of")
-        rows.append([name, _num(sum(r["comm_bytes_per_step_mean"].values()), scale),
+        rows.append([name, report.scaled(sum(r["comm_bytes_per_step_mean"].values()), scale),
                      _signed(r["comm_bytes_extra_vs_gather"], scale) if name != "gather" else "-",
                      f"{_signed(r['comm_bytes_extra_vs_base'], scale)} (vs {base})" if base else "-"])
     return head, rows
@@ -114,8 +104,8 @@ def time_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
         rows.append([
             name,
             f"{r['median_step_time'] * 1e3:.1f}",
-            _ratio(r, "gather"),
-            _ratio(r, "base"),
+            report.ratio_cell(r, "gather"),
+            report.ratio_cell(r, "base"),
             f"{r['max_abs_loss_diff']:.1e}",
             f"{r['max_abs_grad_diff']:.1e} ({r['max_rel_grad_diff']:.1e})",
             (f"{r['max_abs_loss_diff_vs_base']:.1e}, {r['max_abs_grad_diff_vs_base']:.1e} "
@@ -123,20 +113,6 @@ def time_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
             _resends(r, summary["spec"]["steps"]),
         ])
     return head, rows
-
-
-def _text(head: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(head, widths)))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-              for r in rows]
-    return lines
-
-
-def _md(head: list[str], rows: list[list[str]]) -> list[str]:
-    return (["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-            + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def notes(summary: dict) -> list[str]:
@@ -150,10 +126,10 @@ def notes(summary: dict) -> list[str]:
     d = summary.get("dispatch_bytes_per_step_mean") or {}
     if d.get("h_wide") is not None:
         out.append(f"one more h-wide dispatch of the tokens per MoE layer and forward (accounting formula, gather's "
-                   f"routing): {_num(d['h_wide'], scale, 3)} {unit}/step")
+                   f"routing): {report.scaled(d['h_wide'], scale, 3)} {unit}/step")
     if d.get("rank_r_both_ways") is not None:
         out.append(f"rank-r rows along the route and back (shared LoRA-A before the dispatch): "
-                   f"{_num(d['rank_r_both_ways'], scale, 3)} {unit}/step")
+                   f"{report.scaled(d['rank_r_both_ways'], scale, 3)} {unit}/step")
     for name, r in report.ordered(summary):
         first = r.get("comm_bytes_first_step_extra_vs_base") if r.get("variant_of") else None
         if first and any(first.values()):
@@ -177,11 +153,11 @@ def text_table(summary: dict) -> str:
     unit, _ = _unit(summary)
     ranks = summary["world"]
     lines = [f"LoRA-A input bytes of the first forward by adapter kind, {unit}, mean over the {ranks} ranks:"]
-    lines += _text(*bytes_rows(summary))
+    lines += report.text_rows(*bytes_rows(summary))
     lines += ["", f"communication per step, {unit}, mean over the ranks and the steps after the first:"]
-    lines += _text(*comm_rows(summary))
+    lines += report.text_rows(*comm_rows(summary))
     lines += ["", "step time (slowest rank) and parity (max over ranks and steps):"]
-    lines += _text(*time_rows(summary))
+    lines += report.text_rows(*time_rows(summary))
     return "\n".join(lines + [""] + notes(summary))
 
 
@@ -205,11 +181,11 @@ def markdown(summary: dict) -> str:
     lines = report.header(summary, "regather bench --moe", summary["world"], spec_line(spec, summary["world"]))
     lines += [f"LoRA-A input bytes of the first forward by adapter kind ({unit}, mean over the ranks; per rank in "
               "bench.json: `adapter_input_by_kind_per_rank`):", ""]
-    lines += _md(*bytes_rows(summary))
+    lines += report.markdown_rows(*bytes_rows(summary))
     lines += ["", f"Communication per step ({unit}, mean over the ranks and over the steps after the first):", ""]
-    lines += _md(*comm_rows(summary))
+    lines += report.markdown_rows(*comm_rows(summary))
     lines += ["", "Step time (slowest rank per step) and parity:", ""]
-    lines += _md(*time_rows(summary))
+    lines += report.markdown_rows(*time_rows(summary))
     lines += [""] + [f"- {n}" for n in notes(summary)] + [
         "",
         "Definitions (docs/design.md §7): *LoRA-A inputs* and *retained* = unique storages autograd saved in the",

@@ -131,6 +131,34 @@ HEADER = ["strategy", "retained MiB", "adapter-input MiB", "comm MiB/step", "ext
           "max Δloss", "max Δgrad (rel)", "adapters"]
 
 
+def scaled(n: float, scale: float, digits: int = 2) -> str:
+    """``n / scale`` with thousands separators and ``digits`` decimals (a table cell)."""
+    return f"{n / scale:,.{digits}f}"
+
+
+def ratio_cell(r: dict, what: str) -> str:
+    """``median / paired`` step-time ratio of a summary row against ``what`` ("-" where absent)."""
+    if f"step_time_ratio_vs_{what}" not in r:
+        return "-"
+    return f"{r[f'step_time_ratio_vs_{what}']:.3f} / {r[f'paired_step_time_ratio_vs_{what}']:.3f}"
+
+
+def text_rows(head: list[str], rows: list[list[str]]) -> list[str]:
+    """An aligned terminal table: first column left, the others right, a dashed rule under the head."""
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return [line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
+
+
+def markdown_rows(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table: first column left, the others right-aligned."""
+    return (["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def text_table(summary: dict) -> str:
     cells = [HEADER] + rows(summary)
     widths = [max(len(r[i]) for r in cells) for i in range(len(HEADER) - 1)]  # adapters: listed below

@@ -23,10 +23,6 @@ def _unit(summary: dict) -> tuple[str, float]:
     return ("MiB", 2.0**20) if biggest >= 8 * 2**20 else ("KiB", 1024.0)
 
 
-def _num(n: float, scale: float, digits: int = 2) -> str:
-    return f"{n / scale:,.{digits}f}"
-
-
 def _signed(parts: dict, scale: float) -> str:
     return ", ".join(f"{k.replace('_', '-')} {n / scale:+,.2f}" for k, n in parts.items() if n) or "0"
 
@@ -42,12 +38,12 @@ def bytes_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     ks = kinds(summary)
     head = ["variant"] + ks + [f"all LoRA-A inputs {unit}", f"LoRA over frozen {unit}", f"retained {unit}"]
     frozen = summary["frozen"]["saved_bytes"]
-    rows = [["frozen (no LoRA)"] + ["-"] * len(ks) + ["-", _num(0, scale), _num(frozen, scale)]]
+    rows = [["frozen (no LoRA)"] + ["-"] * len(ks) + ["-", report.scaled(0, scale), report.scaled(frozen, scale)]]
     for name, r in report.ordered(summary):
         by = r["adapter_input_by_kind"]
-        rows.append([name] + [_num(by.get(k, 0), scale) for k in ks]
-                    + [_num(r["adapter_input_bytes"], scale), _num(r["lora_bytes_over_frozen"], scale),
-                       _num(r["saved_bytes"], scale)])
+        rows.append([name] + [report.scaled(by.get(k, 0), scale) for k in ks]
+                    + [report.scaled(r["adapter_input_bytes"], scale), report.scaled(r["lora_bytes_over_frozen"], scale),
+                       report.scaled(r["saved_bytes"], scale)])
     return head, rows
 
 
@@ -56,17 +52,11 @@ def comm_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     head = ["variant"] + [f"{p} {unit}" for p in PHASES] + [f"step {unit}", f"extra vs torchtitan ({unit})"]
     rows = []
     for name, r in report.ordered(summary):
-        phases = [_num(sum(r["comm_bytes"][p].values()), scale) for p in PHASES]
-        rows.append([name] + phases + [_num(sum(r["comm_bytes_total"].values()), scale),
+        phases = [report.scaled(sum(r["comm_bytes"][p].values()), scale) for p in PHASES]
+        rows.append([name] + phases + [report.scaled(sum(r["comm_bytes_total"].values()), scale),
                                        _signed(r["comm_bytes_extra_vs_torchtitan"], scale)
                                        if name != summary["baseline"] else "-"])
     return head, rows
-
-
-def _ratio(r: dict, what: str) -> str:
-    if f"step_time_ratio_vs_{what}" not in r:
-        return "-"
-    return f"{r[f'step_time_ratio_vs_{what}']:.3f} / {r[f'paired_step_time_ratio_vs_{what}']:.3f}"
 
 
 def time_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
@@ -76,25 +66,11 @@ def time_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     for name, r in report.ordered(summary):
         same = "(reference)" if name == summary["baseline"] else \
             "bit-identical" if r["bit_identical_to_torchtitan"] else "differs (summation order)"
-        rows.append([name, f"{r['median_step_time'] * 1e3:.1f}", _ratio(r, "torchtitan"),
-                     f"{_ratio(r, 'base')} vs {r['variant_of']}" if r.get("variant_of") else "-",
+        rows.append([name, f"{r['median_step_time'] * 1e3:.1f}", report.ratio_cell(r, "torchtitan"),
+                     f"{report.ratio_cell(r, 'base')} vs {r['variant_of']}" if r.get("variant_of") else "-",
                      f"{r['max_abs_loss_diff']:.1e}", f"{r['max_abs_grad_diff']:.1e} ({r['max_rel_grad_diff']:.1e})",
                      same])
     return head, rows
-
-
-def _text(head: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-
-    def line(cells):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return [line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
-
-
-def _md(head: list[str], rows: list[list[str]]) -> list[str]:
-    return (["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-            + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def notes(summary: dict) -> list[str]:
@@ -115,11 +91,11 @@ def notes(summary: dict) -> list[str]:
 def text_table(summary: dict) -> str:
     unit, _ = _unit(summary)
     lines = [f"saved in the first forward per rank, {unit} (LoRA-A inputs by adapter kind: {', '.join(kinds(summary))}):"]
-    lines += _text(*bytes_rows(summary))
+    lines += report.text_rows(*bytes_rows(summary))
     lines += ["", f"communication of the first step per rank, {unit}:"]
-    lines += _text(*comm_rows(summary))
+    lines += report.text_rows(*comm_rows(summary))
     lines += ["", "step time (slowest rank) and parity with torchtitan's LoRA:"]
-    lines += _text(*time_rows(summary))
+    lines += report.text_rows(*time_rows(summary))
     return "\n".join(lines + [""] + notes(summary))
 
 
@@ -145,11 +121,11 @@ def markdown(summary: dict) -> str:
     unit = _unit(summary)[0]
     lines = header(summary)
     lines += [f"Saved in the first forward, per rank ({unit}; LoRA-A inputs by adapter kind):", ""]
-    lines += _md(*bytes_rows(summary))
+    lines += report.markdown_rows(*bytes_rows(summary))
     lines += ["", f"Communication of the first step, per rank ({unit}):", ""]
-    lines += _md(*comm_rows(summary))
+    lines += report.markdown_rows(*comm_rows(summary))
     lines += ["", "Step time (slowest rank per step) and parity with torchtitan's LoRA:", ""]
-    lines += _md(*time_rows(summary))
+    lines += report.markdown_rows(*time_rows(summary))
     lines += [""] + [f"- {n}" for n in notes(summary)] + [
         "",
         "Definitions (docs/design.md §7): *retained* = unique storages autograd saved in the first forward",
