@@ -112,9 +112,8 @@ def lora_a_paths(rank, world_size, dim: int, recompute: bool):
             x = norm(inp)
             source = KEEP
             if producer is not None:
-                captured = producer.capture(x)
-                assert isinstance(captured, tuple), captured
-                source = Recomputed(producer, captured)
+                source = producer.capture(x)
+                assert isinstance(source, Recomputed), source
             mid = _path(kind, x, weight, group, dim, pool, source)
         if producer is not None:
             producer.remove()

@@ -13,7 +13,7 @@ from regather.core import mappings
 from regather.core.accounting import CollectiveBytes, SavedBytes
 from regather.core.buffers import ScratchPool
 from regather.core.recompute.producers import NormProducer
-from regather.core.recompute.sources import KEEP
+from regather.core.recompute.sources import KEEP, Recomputed
 from regather.core.strategies.regather import RegatherSlot, regather_shared_linear_a
 from regather.core.strategies.shared_anchor import AnchorMembers, anchor_shared
 from regather.core.strategies.shared_gather import SharedGather
@@ -118,8 +118,9 @@ def dtensor_accounting(rank, world_size):
     out["act"] = type(inp._local_tensor).__name__
     y = norm(inp)
     captured = producer.capture(y)
-    out["captured"] = captured if isinstance(captured, str) else dict(
-        plain=type(captured[0]).__name__,
-        same_storage=captured[0].untyped_storage().data_ptr() == plain(inp).untyped_storage().data_ptr(),
-        rebuilt=torch.equal(F.rms_norm(captured[0], (16,), norm.weight.to_local(), norm.eps), y.to_local()))
+    saved = captured.tensors if isinstance(captured, Recomputed) else None
+    out["captured"] = captured.reason if saved is None else dict(
+        plain=type(saved[0]).__name__,
+        same_storage=saved[0].untyped_storage().data_ptr() == plain(inp).untyped_storage().data_ptr(),
+        rebuilt=torch.equal(F.rms_norm(saved[0], (16,), norm.weight.to_local(), norm.eps), y.to_local()))
     return out

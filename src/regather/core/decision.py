@@ -7,30 +7,61 @@ applies to — the fallback log (:mod:`regather.core.fallback_log`) logs a reaso
 and, apart from it, a ``detail`` carrying what was measured (a difference, a rank), which
 differs per layer and machine. ``str(decision)`` shows both; the log line shows the sentence and
 puts the details in its record's attributes.
+
+A reason also carries its log ``level`` where the sentence itself fixes it (:func:`expected`:
+INFO for what the moment decides or the design excludes; WARNING for what may surprise a user):
+the fallback log reads the field (:func:`level_of`), never the wording.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from regather.core.strategies import Strategy
 
 
 class Reason(str):
-    """A reason sentence (compares and hashes as its text) with an optional measured ``detail``."""
+    """A reason sentence (compares and hashes as its text) with an optional measured ``detail``
+    and an optional log ``level`` (None: the reporting context's default)."""
 
     detail: str | None
+    level: int | None
 
-    def __new__(cls, text: str, detail: str | None = None) -> Reason:
+    def __new__(cls, text: str, detail: str | None = None, level: int | None = None) -> Reason:
         obj = super().__new__(cls, text)
         obj.detail = detail
+        obj.level = level
         return obj
 
-    def __reduce__(self):  # pickled with its detail (decisions travel between ranks and tests)
-        return (Reason, (str(self), self.detail))
+    def __reduce__(self):  # pickled with its detail and level (decisions travel between ranks and tests)
+        return (Reason, (str(self), self.detail, self.level))
 
     def __repr__(self) -> str:
-        return f"Reason({str(self)!r}, detail={self.detail!r})"
+        level = "" if self.level is None else f", level={logging.getLevelName(self.level)}"
+        return f"Reason({str(self)!r}, detail={self.detail!r}{level})"
+
+
+def expected(text: str) -> Reason:
+    """``text`` as a reason logged at INFO: what the moment decides (eval, ``no_grad``, activation
+    checkpointing) or the design excludes (row-parallel bases, experts)."""
+    return Reason(text, level=logging.INFO)
+
+
+def surprising(text: str, detail: str | None = None) -> Reason:
+    """``text`` as a reason logged at WARNING whatever the context (a rebuild that differs)."""
+    return Reason(text, detail=detail, level=logging.WARNING)
+
+
+def with_detail(reason: str, detail: str | None) -> Reason:
+    """``reason`` with another ``detail``, its level kept."""
+    return Reason(str(reason), detail=detail, level=level_of(reason, None))
+
+
+def level_of(reason: str | None, default: int | None = logging.WARNING) -> int | None:
+    """The log level of ``reason``: its own, else ``default`` (the reporting context's)."""
+    level = getattr(reason, "level", None)
+    return default if level is None else level
 
 
 def detail_of(reason: str | None) -> str | None:

@@ -9,6 +9,7 @@ decision's ``detail``, so one reason is logged once whatever the numbers).
 
 from __future__ import annotations
 
+from regather.core.decision import expected
 from regather.core.recompute.graph import NOTHING_KEPT
 
 #: megatron's four LoRA targets (Megatron Bridge's default ``target_modules``).
@@ -18,7 +19,7 @@ ELIGIBLE_BASES = ("linear_qkv", "linear_fc1")
 #: The norm whose output each eligible base reads (what recompute_adapter_inputs reruns).
 NORM_OF = {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}
 
-IN_CHECKPOINT = "running inside activation checkpointing (its recompute must save what forward saved)"
+IN_CHECKPOINT = expected("running inside activation checkpointing (its recompute must save what forward saved)")
 CPU_OFFLOADING = "CPU activation offloading is on (cpu_offloading=True)"
 
 
@@ -49,7 +50,7 @@ DISPATCHERS = REPLAYED_DISPATCHERS + ("flex",)
 
 #: An expert's input is the token dispatcher's output (tokens routed to this rank's experts,
 #: already gathered over expert TP), never a sequence shard of a LayerNorm output.
-EXPERT_REASON = "expert linear: its input is the token dispatcher's output, not a sequence shard"
+EXPERT_REASON = expected("expert linear: its input is the token dispatcher's output, not a sequence shard")
 #: An expert linear_fc1's input: the tokens after permutation and all-to-all / all-gather. With
 #: frozen experts no op of the MoE layer saves them (permute keeps indices, the frozen expert
 #: linear keeps no input), so there is nothing to rebuild them from.

@@ -40,16 +40,17 @@ torchtitan reduces it where it reduces its own: each consumer redistributes a ``
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from regather.core import accounting, fallback_log
 from regather.core.buffers import default_pool
-from regather.core.decision import Decision, Reason
-from regather.core.recompute.sources import KEEP, Recomputed
+from regather.core.decision import Decision, Reason, expected, level_of
+from regather.core.plan import Plan
+from regather.core.recompute.sources import Kept, Recomputed
+from regather.core.recompute.verify import first_rebuild
 from regather.core.strategies import Strategy
 from regather.core.strategies.paths import PathArgs, lookup
 from regather.core.strategies.regather import RegatherSlot
@@ -61,14 +62,6 @@ from regather.torchtitan.pairing import Gathered
 from regather.torchtitan.producers import SWIGLU, already_saved_by
 from regather.torchtitan.rebuilt import rebuilt_row_lora_a
 from regather.torchtitan.runstate import moment_reason, saves_for_backward
-
-
-@dataclass
-class _Plan:
-    decision: Decision
-    layout: str | None = None
-    gathered: Gathered | None = None
-    source: object = KEEP
 
 
 def _partial_grad(mesh):
@@ -114,15 +107,15 @@ class RegatherLoRA:
         pairing with a gather and its producers are checked by each forward: ``last_decision``)."""
         return self._plan(None).decision
 
-    def _plan(self, x: torch.Tensor | None) -> _Plan:
+    def _plan(self, x: torch.Tensor | None) -> Plan:
         asked = self.regather.strategy
         fallback = None if asked == Strategy.GATHER else asked
 
-        def gather(reason=None, layout=None, recompute_reason=None) -> _Plan:
+        def gather(reason=None, layout=None, recompute_reason=None) -> Plan:
             decision = Decision(asked, Strategy.GATHER, reason if fallback else None)
             if self.regather.recompute_adapter_inputs and recompute_reason is not None:
                 decision = replace(decision, recompute_reason=recompute_reason)
-            return _Plan(decision, layout)
+            return Plan(decision, layout=layout)
 
         why = moment_reason(self, self.lora_a.weight)
         if why is not None:  # nothing is saved in eval / no_grad: no recompute to speak of
@@ -139,7 +132,7 @@ class RegatherLoRA:
             return gather(layout=COLUMN, recompute_reason=reasons.GATHER_KEEPS)
         if self.site is None:
             return gather(reasons.NO_GATHER_SITE, COLUMN, reasons.GATHER_KEEPS)
-        plan = _Plan(Decision(asked, asked, None), COLUMN)
+        plan = Plan(Decision(asked, asked, None), layout=COLUMN)
         if x is None:  # what it would do: pairing and producers are checked by each forward
             return plan
         plan.gathered, why = self.site.find(x)
@@ -149,38 +142,36 @@ class RegatherLoRA:
             self._recompute_shard(plan, plan.gathered.shard)
         return plan
 
-    def _recompute_shard(self, plan: _Plan, shard: torch.Tensor) -> None:
+    def _recompute_shard(self, plan: Plan, shard: torch.Tensor) -> None:
         norm = next((n for n in self.norms if n.produced(shard)), None)
         if norm is None:
             plan.decision = replace(plan.decision, recompute_reason=reasons.NO_NORM)
             return
-        self._source(plan, norm, norm.capture(shard), shard, reasons.NORM_NOT_REPRODUCED.format(name=norm.name))
+        self._source(plan, norm.capture(shard), shard, reasons.NORM_NOT_REPRODUCED.format(name=norm.name))
 
-    def _recompute_row(self, plan: _Plan, x: torch.Tensor) -> None:
+    def _recompute_row(self, plan: Plan, x: torch.Tensor) -> None:
         captured = SWIGLU.capture(x)
-        if not isinstance(captured, str):
-            self._source(plan, SWIGLU, captured, x, reasons.SWIGLU_NOT_REPRODUCED)
+        if isinstance(captured, Recomputed):
+            self._source(plan, captured, x, reasons.SWIGLU_NOT_REPRODUCED)
             return
         node = already_saved_by(x)
-        why = reasons.ALREADY_SAVED.format(node=node) if node else reasons.NOT_KEPT
+        why = expected(reasons.ALREADY_SAVED.format(node=node)) if node else reasons.NOT_KEPT
         plan.decision = replace(plan.decision, recompute_reason=why)
 
-    def _source(self, plan: _Plan, producer, captured, x: torch.Tensor, not_reproduced: str) -> None:
-        """``plan.source`` from ``producer`` when its capture holds (the first rebuild checked
+    def _source(self, plan: Plan, captured: Kept | Recomputed, x: torch.Tensor, not_reproduced: str) -> None:
+        """``plan.source`` from the producer when its capture holds (the first rebuild checked
         against ``x`` bit for bit), else the reason on the decision."""
-        if not isinstance(captured, str) and producer.name not in self._verified:
-            with torch.no_grad():
-                again, want = producer.recompute(*captured), data_of(x)
-                if again.shape == want.shape and torch.equal(again, want):
-                    self._verified.add(producer.name)
-                else:
-                    diff = (again - want).abs().max().item() if again.shape == want.shape else "shape"
-                    captured = Reason(not_reproduced, detail=f"max |diff| {diff}")
-        if isinstance(captured, str):
-            plan.decision = replace(plan.decision, recompute_reason=captured)
+        if isinstance(captured, Recomputed) and captured.producer.name not in self._verified:
+            diff = first_rebuild(captured.producer, captured.tensors, data_of(x))
+            if diff is None:
+                self._verified.add(captured.producer.name)
+            else:
+                captured = Kept(Reason(not_reproduced, detail=diff))
+        if isinstance(captured, Kept):
+            plan.decision = replace(plan.decision, recompute_reason=captured.reason)
             return
-        plan.source = Recomputed(producer, captured)
-        plan.decision = replace(plan.decision, recompute=producer.name)
+        plan.source = captured
+        plan.decision = replace(plan.decision, recompute=captured.producer.name)
 
     def _log(self, decision: Decision) -> None:
         for what, reason in ((f"{decision.requested.value} requested, using the gather path", decision.reason),
@@ -188,8 +179,7 @@ class RegatherLoRA:
             if reason is None or (what, str(reason)) in self._logged:
                 continue
             self._logged.add((what, str(reason)))
-            level = logging.INFO if str(reason).startswith(reasons.INFO_PREFIXES) else logging.WARNING
-            fallback_log.report(self.fallback_log, what, reason, self.log_name, level)
+            fallback_log.report(self.fallback_log, what, reason, self.log_name, level_of(reason))
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -209,11 +199,11 @@ class RegatherLoRA:
         with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.log_name.rsplit('.', 1)[-1]}"):
             if plan.layout == COLUMN and used != Strategy.GATHER:
                 return self._column(x, plan)
-            if plan.layout == ROW and plan.source is not KEEP:
+            if plan.layout == ROW and not isinstance(plan.source, Kept):
                 return self._row(x, plan)
             return self.lora_a(x)  # torchtitan's own LoRA-A, bit for bit
 
-    def _column(self, x: DTensor, plan: _Plan) -> DTensor:
+    def _column(self, x: DTensor, plan: Plan) -> DTensor:
         weight, gathered = self.lora_a.weight, plan.gathered
         mesh, dim = weight.device_mesh, gathered.dim
         group = mesh.get_group()
@@ -242,7 +232,7 @@ class RegatherLoRA:
         self._slot = slot
         return slot
 
-    def _row(self, x: DTensor, plan: _Plan) -> DTensor:
+    def _row(self, x: DTensor, plan: Plan) -> DTensor:
         return rebuilt_row_lora_a(x, self.lora_a.weight, plan.source)
 
 

@@ -22,22 +22,14 @@ for bit (by the adapter); what fails keeps the input, with the reason.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from regather.core.recompute.graph import (
-    Meta,
-    global_hooks_reason,
-    kept_between,
-    modified_in_place,
-    same_tensor,
-    saved_tensors,
-    storage_key,
-)
+from regather.core.recompute.graph import saved_tensors, storage_key
+from regather.core.recompute.producers import NormProducer
+from regather.core.recompute.sources import Captured, Kept, Recomputed
 from regather.core.unwrap import plain
 from regather.torchtitan import reasons
 
@@ -48,39 +40,12 @@ def _local_param(p: torch.Tensor | None) -> torch.Tensor | None:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-class ShardNorm:
-    """A norm whose output may be the sequence shard an adapter reads, watched by a forward hook
-    (registered first, so a later hook that changes the output is seen)."""
+class ShardNorm(NormProducer):
+    """A norm whose output may be the sequence shard an adapter reads (``ffn_norm``'s is read by
+    ``w1`` and ``w3``: ``shared``), watched by core's forward hook."""
 
-    def __init__(self, norm: nn.Module, name: str):
-        self.module, self.name = norm, name
-        self._out = self._meta = self._stop = self._version = None
-        norm.register_forward_hook(self._seen, prepend=True)
-
-    def _seen(self, module, args, out):
-        if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
-            self._out, self._version = weakref.ref(out), out._version
-            self._meta, self._stop = Meta(args[0]), args[0].grad_fn
-        else:
-            self._out = self._meta = self._stop = self._version = None
-
-    def produced(self, x: torch.Tensor) -> bool:
-        """``x`` is this norm's output of its last forward."""
-        out = self._out() if self._out is not None else None
-        return out is not None and same_tensor(x, out)
-
-    def capture(self, x: torch.Tensor) -> tuple | str:
-        """The tensors to save instead of ``x`` (the norm's local input, as its nodes keep it), or why not."""
-        why = global_hooks_reason()
-        if why is not None:
-            return why
-        if not self.produced(x):
-            return reasons.NOT_NORM_OUTPUT.format(name=self.name)
-        changed = modified_in_place(self._out(), self._version, self.name)
-        if changed:
-            return changed
-        found = kept_between(self._out(), self._meta, self._stop)
-        return f"{self.name}: {found}" if isinstance(found, str) else (found,)
+    shared = True
+    not_output = reasons.NOT_NORM_OUTPUT
 
     def recompute(self, inp: torch.Tensor) -> torch.Tensor:
         """The norm's op on its local input with this rank's weights (DTensor runs the same
@@ -113,21 +78,21 @@ class SwiGLU:
 
     name = reasons.SWIGLU_PRODUCT
 
-    def capture(self, x: torch.Tensor) -> tuple | str:
-        """The multiply's two local operands (as its node keeps them), or why not."""
+    def capture(self, x: torch.Tensor) -> Captured:
+        """The multiply's two local operands (as its node keeps them), or ``Kept(why not)``."""
         node = x.grad_fn
         if node is None or type(node).__name__ != "MulBackward0":
-            return reasons.NOT_SWIGLU
+            return Kept(reasons.NOT_SWIGLU)
         first = node.next_functions[0][0] if node.next_functions else None
         if first is None or type(first).__name__ != "SiluBackward0":
-            return reasons.NOT_SWIGLU
+            return Kept(reasons.NOT_SWIGLU)
         try:
             a, b = node._saved_self, node._saved_other
         except RuntimeError as exc:  # modified in place since it was saved
-            return f"{reasons.NOT_SWIGLU} ({exc})"
+            return Kept(f"{reasons.NOT_SWIGLU} ({exc})")
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return reasons.NOT_SWIGLU
-        return plain(a).detach(), plain(b).detach()
+            return Kept(reasons.NOT_SWIGLU)
+        return Recomputed(self, (plain(a).detach(), plain(b).detach()))
 
     def recompute(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.mul(a, b)

@@ -1,12 +1,15 @@
 """The sentences a torchtitan adapter explains its choices with (``regather.torchtitan.decisions``,
 the fallback log). A sentence never embeds a measured number: numbers go into the reason's
-``detail`` (:class:`regather.core.decision.Reason`), so one reason is logged once per model.
+``detail`` (:class:`regather.core.decision.Reason`), so one reason is logged once per model, at
+its own level (:func:`~regather.core.decision.expected`: INFO; any other: WARNING).
 
 Fallbacks of the strategy (the adapter runs torchtitan's own LoRA-A, bit for bit):
 """
 
 from __future__ import annotations
 
+from regather.core import moment
+from regather.core.decision import expected
 from regather.core.recompute.graph import NOTHING_KEPT
 
 #: torchtitan's llama3 / qwen3 block linears by name (LoRA's ``target_modules``), and the
@@ -18,31 +21,27 @@ NORM_OF = {"wqkv": "attention_norm", "w1": "ffn_norm", "w3": "ffn_norm"}
 #: what ``w2``'s input is rebuilt from (``input recomputed from the SwiGLU multiply``)
 SWIGLU_PRODUCT = "the SwiGLU multiply"
 
-EVAL = "module is in eval mode"
-NO_GRAD = "autograd is disabled (torch.no_grad / inference_mode)"
-IN_CHECKPOINT = "running inside activation checkpointing (the checkpointed block keeps no adapter input anyway)"
-FROZEN_A = "LoRA-A weight is frozen (requires_grad=False)"
+EVAL, NO_GRAD, FROZEN_A = moment.EVAL, moment.NO_GRAD, moment.FROZEN_A
+IN_CHECKPOINT = expected("running inside activation checkpointing (the checkpointed block keeps no adapter input "
+                         "anyway)")
 NOT_DTENSOR = ("the base weight is not a DTensor (no PyTorch-native tensor parallelism here, or torchtitan's "
                "spmd_types backend: regather needs parallelism.spmd_backend='partial_dtensor')")
 MESH_DIMS = "the base weight lives on a {n}-D device mesh (regather reads a 1-D tensor-parallel mesh)"
 UNKNOWN_LAYOUT = "unknown tensor-parallel layout: base weight {base}, LoRA-A {lora_a}"
-ROW = "row-parallel base: its input is split over hidden, not over the sequence"
+ROW = expected("row-parallel base: its input is split over hidden, not over the sequence")
 NO_GATHER_SITE = ("no module before this linear gathers its input over the sequence (sequence parallelism "
                   "is off, or the layout declares no Shard -> Replicate input redistribution)")
 NOT_THIS_GATHER = "the adapter input is not the sequence all-gather made for it in this forward"
 GATHER_MODIFIED = "the gathered input was modified in place before the adapter read it"
 
 # recompute_adapter_inputs: why an input is kept (INFO unless it may surprise)
-GATHER_KEEPS = ("the gather path keeps its gathered input as it is (recompute of a column-parallel adapter's "
-                "input needs regather or lowrank)")
+GATHER_KEEPS = expected("the gather path keeps its gathered input as it is (recompute of a column-parallel "
+                        "adapter's input needs regather or lowrank)")
 NO_NORM = "no norm next to this linear produced the sequence shard in this forward"
 NOT_NORM_OUTPUT = "the sequence shard is not {name}'s output of this forward"
 NORM_NOT_REPRODUCED = "recomputing {name} does not reproduce the sequence shard bit for bit; the input is kept"
 NOT_SWIGLU = "its input is not the SwiGLU product silu(w1 x) * w3 x of this forward"
 SWIGLU_NOT_REPRODUCED = "multiplying the SwiGLU operands again does not reproduce the input bit for bit"
-ALREADY_SAVED = "its input is already saved by {node} (kept: no bytes added)"
+ALREADY_SAVED = "its input is already saved by {node} (kept: no bytes added)"  # INFO: expected(...format())
 NOT_KEPT = "nothing before it keeps its input (row-parallel input other than the SwiGLU product)"
 NORM_KEEPS_NOTHING = f"the norm: {NOTHING_KEPT}"
-
-#: Reasons logged at INFO: what the moment decides (mode, autograd) or the design excludes.
-INFO_PREFIXES = (EVAL, NO_GRAD, "running inside activation", ROW, "the gather path keeps", "its input is already")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from regather.core.recompute.sources import Kept
 from regather.core.unwrap import plain
 
 #: What :func:`kept_between` says of a producer whose autograd node keeps nothing: its input and
@@ -79,15 +80,20 @@ def saved_tensors(node) -> list:
 
 
 def kept_between(output: torch.Tensor, meta: Meta, stop, limit: int = 32, pick=None,
-                 extra: tuple | None = None) -> torch.Tensor | tuple | str:
-    """The tensor described by ``meta``, rebuilt from one the autograd graph of ``output``
-    saved, when ``output`` is computed from it alone (graph nodes down to ``stop`` — its own
-    node — and parameters); otherwise what fails, as a sentence. ``pick(saved)`` may choose
+                 extra: tuple | None = None) -> tuple | Kept:
+    """``(tensor,)``: the tensor described by ``meta``, rebuilt from one the autograd graph of
+    ``output`` saved, when ``output`` is computed from it alone (graph nodes down to ``stop`` —
+    its own node — and parameters); otherwise ``Kept(what fails)``. ``pick(saved)`` may choose
     another saved tensor instead (returning it, or None).
 
     ``extra=(meta, node)`` names a second input ``output`` is computed from (an expert MLP's
     per-token scale, ``node`` its ``grad_fn`` or None): the walk stops at ``node`` as well, the
     tensor must be among the saved ones too, and both come back as ``(tensor, extra tensor)``."""
+    found = _walk(output, meta, stop, limit, pick, extra)
+    return Kept(found) if isinstance(found, str) else found
+
+
+def _walk(output, meta, stop, limit, pick, extra) -> tuple | str:
     root = output.grad_fn
     if root is None:
         return NOTHING_KEPT
@@ -125,7 +131,7 @@ def kept_between(output: torch.Tensor, meta: Meta, stop, limit: int = 32, pick=N
     if alias is None:
         return SOURCE_NOT_KEPT
     if extra_meta is None:
-        return alias
+        return (alias,)
     if extra_alias is None:
         return "it does not keep the per-token scale (saving that would add bytes)"
     return alias, extra_alias

@@ -6,7 +6,9 @@ in the producer module's own forward hook (registered first, ``prepend=True``), 
 where its input lives; the adapter's ``capture`` then checks, every forward, that its input is
 that output, unmodified, computed from the producer's input alone, and that the producer's
 autograd node saved that input (:mod:`regather.core.recompute.graph`). Front ends decide which
-module is whose producer.
+module is whose producer; :class:`NormProducer` is the norm every front end has (a megatron
+``input_layernorm``, torchtitan's ``attention_norm`` read by ``wqkv``, and by ``w1`` and ``w3``
+at once).
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ import torch
 from torch import nn
 
 from regather.core.recompute.graph import Meta, kept_between, modified_in_place, reason_now, same_tensor
-
-Captured = tuple | str  # the tensors to save, or why not
+from regather.core.recompute.sources import Captured, Kept, Recomputed
 
 
 class HookedProducer:
@@ -26,11 +27,17 @@ class HookedProducer:
     identity), its input's place (:class:`~regather.core.recompute.graph.Meta`) and autograd node.
 
     ``capture(x)`` (called by the adapter in the same forward, before it saves anything) returns
-    the tensors to save in place of ``x`` — the producer's input, as its own node keeps it — or
-    why not, as a sentence. Subclasses give ``name`` and ``recompute(*saved)``, and may read
-    another output (:meth:`output_of`) or refuse by configuration (:meth:`static_reason`)."""
+    a :class:`~regather.core.recompute.sources.Recomputed` source saving the producer's input, as
+    its own node keeps it, in place of ``x`` — or ``Kept(why not)``. Subclasses give ``name`` and
+    ``recompute(*saved)``, and may read another output (:meth:`output_of`) or refuse by
+    configuration (:meth:`static_reason`). A producer read by one adapter forgets its forward once
+    captured; one read by several (``shared``: torchtitan's ``ffn_norm`` before ``w1`` and
+    ``w3``) keeps it until its next forward."""
 
     name = "the producer"
+    shared = False
+    #: why ``capture`` refuses an input that is not this forward's output (``{name}``: the producer)
+    not_output = "the adapter input is not {name}'s output of this forward"
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -63,20 +70,26 @@ class HookedProducer:
         self._out, self._version = weakref.ref(out), out._version
         self._meta, self._stop = Meta(args[0]), args[0].grad_fn
 
+    def produced(self, x: torch.Tensor) -> bool:
+        """``x`` is this producer's output of its last forward."""
+        out = self._out() if self._out is not None else None
+        return out is not None and same_tensor(x, out)
+
     def capture(self, x: torch.Tensor) -> Captured:
         out = self._out() if self._out is not None else None
         meta, stop, version = self._meta, self._stop, self._version
-        self._clear()  # one adapter forward per producer forward
+        if not self.shared:
+            self._clear()  # one adapter forward per producer forward
         why = reason_now(self)
         if why is not None:
-            return why
+            return Kept(why)
         if out is None or not same_tensor(x, out):
-            return f"the adapter input is not {self.name}'s output of this forward"
+            return Kept(self.not_output.format(name=self.name))
         changed = modified_in_place(out, version, self.name)
         if changed:
-            return changed
+            return Kept(changed)
         found = kept_between(out, meta, stop)
-        return f"{self.name}: {found}" if isinstance(found, str) else (found,)
+        return Kept(f"{self.name}: {found.reason}") if isinstance(found, Kept) else Recomputed(self, found)
 
 
 class NormProducer(HookedProducer):
@@ -85,8 +98,8 @@ class NormProducer(HookedProducer):
     in backward (its eps, its weights: bit-identical)."""
 
     def __init__(self, norm: nn.Module, name: str):
-        super().__init__(norm)
         self.name = name
+        super().__init__(norm)
 
     def recompute(self, inp: torch.Tensor) -> torch.Tensor:
         return self.module.forward(inp)  # the module's own op, its eps / zero-centered gamma

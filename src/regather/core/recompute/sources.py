@@ -7,7 +7,7 @@ paths hand that tensor to a *source* instead of calling ``save_for_backward`` on
 ============== ========================================= =================================
 source         ``save(x)`` (forward)                      ``load(saved)`` (backward)
 ============== ========================================= =================================
-:data:`KEEP`   ``(x,)`` — the input itself                ``x``
+:class:`Kept`  ``(x,)`` — the input itself                ``x``
 Recomputed     the tensors the producer of ``x`` already  ``producer.recompute(*saved)``,
                saves for its own backward (the norm's     under ``no_grad``: the same op on
                input, fc1's output before the activation) the same tensors, so bit-identical
@@ -19,11 +19,16 @@ the producer's own autograd node saved (checked when the source is made, see
 The regather strategy then *re-gathers* whatever its source loads; lowrank and the
 row-parallel path use it as it is. Sources are made per forward (they carry the captured
 tensors until ``save``); a path stores only :meth:`handle` on its ``ctx``.
+
+A producer's ``capture`` answers with a source, never a bare sentence: a :class:`Recomputed`
+(or a front end's ready source) when the input can be rebuilt, else ``Kept(reason)`` — the input
+is kept, and why (:data:`KEEP`: kept, nothing asked).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,9 +44,12 @@ class Producer(Protocol):
         ...
 
 
+@dataclass(frozen=True)
 class Kept:
-    """Save the input itself (every path's behaviour without recompute)."""
+    """Save the input itself (every path's behaviour without recompute); ``reason``: why it is
+    kept where a rebuild was asked (a producer's ``capture`` that failed), else None."""
 
+    reason: str | None = None
     name = "kept"
 
     def save(self, x: torch.Tensor) -> tuple:
@@ -79,6 +87,9 @@ class Recomputed:
     def handle(self) -> Recomputed:
         """What a ``ctx`` keeps: the producer, no tensors."""
         return Recomputed(self.producer, None)
+
+
+Captured = Kept | Recomputed  # what a producer's ``capture`` answers (front ends add ready sources)
 
 
 def describe(source) -> str:

@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 
+from regather.core.decision import expected
+from regather.core.moment import RunState, in_activation_checkpoint, moment_reason
 from regather.megatron.reasons import CPU_OFFLOADING, ELIGIBLE_BASES, EXPERT_REASON, IN_CHECKPOINT
+
+__all__ = ["EXPERT_REASON", "IN_CHECKPOINT", "AdapterFacts", "RunState", "checkpointed_by_config",
+           "in_activation_recompute", "run_state", "unsupported_reason"]
 
 
 @dataclass(frozen=True)
@@ -33,38 +38,15 @@ class AdapterFacts:
     explicit_comm: bool = False
 
 
-@dataclass(frozen=True)
-class RunState:
-    """What may change between two forwards of the same adapter."""
-
-    training: bool
-    grad_enabled: bool
-    in_recompute: bool
-    lora_a_trainable: bool
-
-    @classmethod
-    def capture(cls, module: torch.nn.Module, lora_a: torch.Tensor) -> RunState:
-        return cls(
-            training=module.training,
-            grad_enabled=torch.is_grad_enabled(),
-            in_recompute=in_activation_recompute(),
-            lora_a_trainable=lora_a.requires_grad,
-        )
-
-
 def in_activation_recompute() -> bool:
     """True where activation checkpointing will run (or is running) this forward again.
 
-    Covers megatron's checkpointed forward and recompute (``is_checkpointing``),
-    any recompute inside a backward pass (reentrant ``torch.utils.checkpoint``),
-    and both passes of non-reentrant ``torch.utils.checkpoint``, whose recompute
-    must save exactly what the first forward saved: the adapter takes the gather
-    path in both, instead of failing with a CheckpointError in backward.
+    Covers megatron's checkpointed forward and recompute (``is_checkpointing``) besides
+    ``torch.utils.checkpoint`` (:func:`regather.core.moment.in_activation_checkpoint`): the
+    adapter takes the gather path in both passes instead of failing with a CheckpointError in
+    backward.
     """
-    if torch._C._current_graph_task_id() != -1:
-        return True
-    top = _top_saved_tensors_hook()
-    if top is not None and getattr(top, "__module__", "") == "torch.utils.checkpoint":
+    if in_activation_checkpoint():
         return True
     try:
         from megatron.core.tensor_parallel.random import is_checkpointing
@@ -73,16 +55,9 @@ def in_activation_recompute() -> bool:
     return bool(is_checkpointing())
 
 
-def _top_saved_tensors_hook():
-    """The pack hook of the innermost ``saved_tensors_hooks`` context, if torch exposes it."""
-    getter = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if getter is None:
-        return None
-    try:
-        hooks = getter(False)
-    except (TypeError, RuntimeError):
-        return None
-    return hooks[0] if hooks else None
+def run_state(module: torch.nn.Module, lora_a: torch.Tensor) -> RunState:
+    """The adapter's :class:`~regather.core.moment.RunState` now, megatron's checkpoint included."""
+    return RunState.capture(module, lora_a, in_activation_recompute())
 
 
 def _cuda_graphs_on(config: Any) -> str | None:
@@ -93,7 +68,6 @@ def _cuda_graphs_on(config: Any) -> str | None:
         if getattr(config, flag, False):
             return f"CUDA graphs are on ({flag}=True)"
     return None
-
 
 
 def checkpointed_by_config(config: Any, base_name: str, expert: bool = False) -> bool:
@@ -113,28 +87,25 @@ def checkpointed_by_config(config: Any, base_name: str, expert: bool = False) ->
 
 
 def unsupported_reason(facts: AdapterFacts, config: Any, state: RunState) -> str | None:
-    """The first rule that keeps this adapter on the gather path, or None."""
-    if not state.training:
-        return "module is in eval mode"
-    if not state.grad_enabled:
-        return "autograd is disabled (torch.no_grad / inference_mode)"
-    if state.in_recompute:
-        return IN_CHECKPOINT
-    if not state.lora_a_trainable:
-        return "LoRA-A weight is frozen (requires_grad=False)"
+    """The first rule that keeps this adapter on the gather path, or None (those the design
+    excludes — experts, row-parallel and other bases — are :func:`~regather.core.decision.expected`)."""
+    why = moment_reason(state, IN_CHECKPOINT)
+    if why is not None:
+        return why
     if facts.is_expert:
         return EXPERT_REASON
     if facts.explicit_comm:
-        return (f"base layer {facts.base_name!r} leaves its TP communication to its caller "
-                "(explicit_expert_comm / parallel_mode=None: a MoE shared expert with overlap)")
+        return expected(f"base layer {facts.base_name!r} leaves its TP communication to its caller "
+                        "(explicit_expert_comm / parallel_mode=None: a MoE shared expert with overlap)")
     if not facts.column_parallel:
-        return f"base layer {facts.base_name!r} is row-parallel (its input is split over hidden, not sequence)"
+        return expected(f"base layer {facts.base_name!r} is row-parallel (its input is split over hidden, "
+                        "not sequence)")
     if not facts.sequence_parallel:
         return f"sequence parallelism is off for {facts.base_name!r}"
     if facts.tp_size <= 1:
         return f"tensor-parallel size is {facts.tp_size}"
     if facts.a2a_experts:
-        return "adapter uses all-to-all expert communication (a2a_experts=True)"
+        return expected("adapter uses all-to-all expert communication (a2a_experts=True)")
     if facts.activation != "identity":
         return f"adapter activation is {facts.activation!r}, not 'identity'"
     if getattr(config, "cpu_offloading", False) and getattr(config, "cpu_offloading_activations", True):
@@ -142,7 +113,7 @@ def unsupported_reason(facts: AdapterFacts, config: Any, state: RunState) -> str
     if getattr(config, "fine_grained_activation_offloading", False):
         return "fine-grained activation offloading is on"
     if facts.base_name not in ELIGIBLE_BASES:
-        return f"base layer {facts.base_name!r} is not one of {', '.join(ELIGIBLE_BASES)}"
+        return expected(f"base layer {facts.base_name!r} is not one of {', '.join(ELIGIBLE_BASES)}")
     graphs = _cuda_graphs_on(config)
     if graphs:
         return graphs

@@ -57,7 +57,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from regather.core.recompute.graph import Meta, kept_between, modified_in_place, reason_now, same_tensor
-from regather.core.recompute.producers import Captured, HookedProducer, NormProducer
+from regather.core.recompute.producers import HookedProducer, NormProducer
+from regather.core.recompute.sources import Captured, Kept, Recomputed
 from regather.megatron.dense import te
 from regather.megatron.reasons import CPU_OFFLOADING, layernorm_recomputed, no_recomputable_producer
 
@@ -161,17 +162,17 @@ class ActivationProducer:
         self._clear()
         why = reason_now(self)
         if why is not None:
-            return why
+            return Kept(why)
         scale = self._scale() if self._scale is not None else None
         if self._scale is not None and scale is None:
-            return "the MLP's per-token scale is gone before linear_fc2 ran"
+            return Kept("the MLP's per-token scale is gone before linear_fc2 ran")
         if meta is None:
-            return "linear_fc1 did not run in this forward"
+            return Kept("linear_fc1 did not run in this forward")
         if act is None or not same_tensor(x, act):
-            return f"the adapter input is not {self.name}'s output (linear_fc2's input was replaced)"
+            return Kept(f"the adapter input is not {self.name}'s output (linear_fc2's input was replaced)")
         changed = modified_in_place(act, act_version, self.name)
         if changed:
-            return changed
+            return Kept(changed)
         biased = []
 
         def pick(saved):
@@ -188,10 +189,10 @@ class ActivationProducer:
         # the multiply (or megatron's fused weighted SwiGLU) keeps that view of the probs
         extra = None if scale is None else (Meta(scale.unsqueeze(-1)), scale.grad_fn)
         found = kept_between(x, meta, stop, pick=pick, extra=extra)
-        if isinstance(found, str):
-            return f"{self.name}: {found}"
-        found, weights = found if extra is not None else (found, None)
-        return (found, None if biased else bias, weights)  # with a bias in ``found``, none apart
+        if isinstance(found, Kept):
+            return Kept(f"{self.name}: {found.reason}")
+        found, weights = found if extra is not None else (found[0], None)
+        return Recomputed(self, (found, None if biased else bias, weights))  # with a bias in ``found``, none apart
 
     def recompute(self, out: torch.Tensor, bias: torch.Tensor | None,
                   scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -55,6 +55,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from regather.core.decision import Reason
 from regather.core.recompute.graph import Meta, global_hooks_reason, kept_between
+from regather.core.recompute.sources import Kept, Recomputed
+from regather.core.recompute.verify import mismatch
 from regather.megatron.moe import dispatch
 from regather.megatron.reasons import (
     CPU_OFFLOADING,
@@ -275,11 +277,11 @@ class ExpertInputs:
             return
         probs = result[0] if isinstance(result, tuple) else result
         found = kept_between(probs, Meta(x), x.grad_fn, limit=64) if isinstance(probs, torch.Tensor) else \
-            "its output is not a tensor"
-        if isinstance(found, str):
-            self.reason = f"the router: {found}"
+            Kept("its output is not a tensor")
+        if isinstance(found, Kept):
+            self.reason = f"the router: {found.reason}"
             return
-        self._kept = found
+        self._kept = found[0]
 
     def _dispatched(self, experts, args):
         x = self._x() if self._x is not None else None
@@ -310,12 +312,10 @@ class ExpertInputs:
     def _verify(self, route, rows: torch.Tensor, dispatched: torch.Tensor) -> None:
         """First forward: the route replayed on ``x`` gives the dispatched tokens bit for bit, on
         every rank of the dispatch (one all-reduce: they all take the same path afterwards)."""
-        again = route.start(rows).wait()
-        ok = again.shape == dispatched.shape and torch.equal(again, dispatched)
+        diff = mismatch(route.start(rows).wait(), dispatched)
+        ok = diff is None
         if not ok:
-            diff = (again.float() - dispatched.float()).abs().max().item() if again.shape == dispatched.shape \
-                else f"shape {tuple(again.shape)} vs {tuple(dispatched.shape)}"
-            self.verify_reason = f"max |diff| {diff} on this rank"
+            self.verify_reason = f"{diff} on this rank"
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=rows.device)
         group = self.moe.token_dispatcher.tp_ep_group
         if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
@@ -346,19 +346,17 @@ class ExpertInputProducer:
     def static_reason(self) -> str | None:
         return self.inputs.static_reason()
 
-    def capture(self, x: torch.Tensor):
-        """This forward's source (:class:`PreDispatched` or :class:`Redispatched`), or why none."""
+    def capture(self, x: torch.Tensor) -> PreDispatched | Redispatched | Kept:
+        """This forward's source (:class:`PreDispatched` or :class:`Redispatched`), or ``Kept(why none)``."""
         fwd = self.inputs.current
         if fwd is None:
-            return self.inputs.reason or "the MoE layer did not run in this forward"
+            return Kept(self.inputs.reason or "the MoE layer did not run in this forward")
         rows = fwd.rows_of(x)
         if isinstance(rows, str):
-            return rows
+            return Kept(rows)
         if self.shared:
             if (rows.start, rows.stop) != (0, fwd.n_dispatched) or fwd.x_live is None:
-                return "the adapter input is not all the tokens the dispatcher handed the experts"
-            from regather.core.recompute.sources import Recomputed
-
+                return Kept("the adapter input is not all the tokens the dispatcher handed the experts")
             return PreDispatched(fwd.x_live, Recomputed(_RouterKept, (fwd.kept,)), fwd.route)
         fwd.consumers += 1
         return Redispatched(fwd, rows, fwd.kept)

@@ -19,18 +19,18 @@ from dataclasses import replace
 import torch
 
 from regather.core import fallback_log
-from regather.core.decision import Decision, Reason
+from regather.core.decision import Decision, level_of, surprising, with_detail
 from regather.core.recompute.graph import reason_now
-from regather.core.recompute.sources import KEEP, Recomputed
+from regather.core.recompute.sources import KEEP, Kept, Recomputed
+from regather.core.recompute.verify import first_rebuild
 from regather.core.strategies import Strategy
 from regather.core.strategies.paths import lookup
-from regather.megatron.dense.eligibility import RunState, checkpointed_by_config, unsupported_reason
+from regather.megatron.dense.eligibility import RunState, checkpointed_by_config, run_state, unsupported_reason
 from regather.megatron.reasons import EXPERT_INPUT_KEPT, IN_CHECKPOINT, kept_as_is
 
-# Fallbacks logged at INFO: those that depend on the moment (mode, autograd state) and those
-# the feature excludes by design (row-parallel, other bases, experts). Everything else may
-# surprise a user and is a WARNING.
-INFO_REASONS = ("module is in eval mode", "autograd is disabled", "running inside activation", "base layer")
+# A fallback is a WARNING unless its reason says INFO (regather.core.decision.expected: the
+# moment, or what the design excludes); a kept input is INFO unless its reason says WARNING
+# (a rebuild that differs from the input).
 NOT_REPRODUCED = "does not reproduce the adapter input bit for bit; the input is kept"
 
 
@@ -68,7 +68,7 @@ class AdapterDecisions:
         forward can make — a norm that keeps nothing because its input needs no gradient, layer 0
         under frozen embeddings), say so, marked "in the last forward" (what ``regather.decisions``
         reports; a forward itself always asks its producer again)."""
-        state = RunState.capture(self, self.linear_in.weight)
+        state = run_state(self, self.linear_in.weight)
         if self.strategy == Strategy.GATHER:
             decision = Decision(Strategy.GATHER, Strategy.GATHER, None)
         else:
@@ -80,7 +80,7 @@ class AdapterDecisions:
         if why is not None:
             return replace(decision, recompute_reason=why)
         if learned and self._last_capture_reason is not None:
-            return replace(decision, recompute_reason=Reason(str(self._last_capture_reason), detail="in the last forward"))
+            return replace(decision, recompute_reason=with_detail(self._last_capture_reason, "in the last forward"))
         return replace(decision, recompute=self.producer.name)
 
     def _recompute_unsupported(self, decision: Decision, state: RunState) -> str | None:
@@ -111,43 +111,37 @@ class AdapterDecisions:
             self._log_recompute(decision)
             return KEEP
         captured = self.producer.capture(x)
-        self._last_capture_reason = captured if isinstance(captured, str) else None
-        if not isinstance(captured, (str, tuple)):  # a ready source: expert inputs, verified per MoE layer
-            return captured
-        if not isinstance(captured, str) and not self._recompute_verified:
+        self._last_capture_reason = captured.reason if isinstance(captured, Kept) else None
+        if isinstance(captured, Recomputed) and not self._recompute_verified:
             captured = self._verify_recompute(x, captured)
-        if isinstance(captured, str):
-            plan.decision = self.last_decision = replace(decision, recompute=None, recompute_reason=captured)
+        if isinstance(captured, Kept):
+            plan.decision = self.last_decision = replace(decision, recompute=None, recompute_reason=captured.reason)
             self._log_recompute(plan.decision)
             return KEEP
-        return Recomputed(self.producer, captured)
+        return captured  # Recomputed, or a ready source (expert inputs, verified per MoE layer)
 
-    def _verify_recompute(self, x: torch.Tensor, captured: tuple):
+    def _verify_recompute(self, x: torch.Tensor, captured: Recomputed) -> Kept | Recomputed:
         """First recompute of this adapter: bit-identical to the forward's input, or switched off."""
-        with torch.no_grad():  # the check itself must leave no graph (nothing saved, no bytes)
-            again = self.producer.recompute(*captured)
-            if again.shape == x.shape and again.dtype == x.dtype and torch.equal(again, x):
-                self._recompute_verified = True
-                return captured
-            diff = (again.float() - x.float()).abs().max().item() if again.shape == x.shape else "shape"
+        diff = first_rebuild(self.producer, captured.tensors, x)
+        if diff is None:
+            self._recompute_verified = True
+            return captured
         # the sentence names the producer only: the measured difference is the reason's detail
-        self.producer_reason = Reason(f"recomputing {self.producer.name} {NOT_REPRODUCED}", detail=f"max |diff| {diff}")
+        self.producer_reason = surprising(f"recomputing {self.producer.name} {NOT_REPRODUCED}", detail=diff)
         self.producer = None
-        return self.producer_reason
+        return Kept(self.producer_reason)
 
     def _log_recompute(self, decision: Decision) -> None:
         if self._logged_recompute or decision.recompute_reason is None:
             return
         self._logged_recompute = True
         fallback_log.report(self.fallback_log, "recompute_adapter_inputs requested, keeping the input",
-                            decision.recompute_reason, self.log_name,
-                            logging.WARNING if "bit for bit" in decision.recompute_reason else logging.INFO)
+                            decision.recompute_reason, self.log_name, level_of(decision.recompute_reason, logging.INFO))
 
     def log_fallback(self, decision: Decision) -> None:
         """Report the first fallback of this adapter to the model's log."""
         if self._logged or decision.reason is None:
             return
         self._logged = True
-        expected = decision.reason.startswith(INFO_REASONS) or "expert" in decision.reason
         fallback_log.report(self.fallback_log, f"{decision.requested.value} requested, using the gather path",
-                            decision.reason, self.log_name, logging.INFO if expected else logging.WARNING)
+                            decision.reason, self.log_name, level_of(decision.reason))
