@@ -23,18 +23,16 @@ LoRA-A saves is counted under ``adapter_input:<base>`` (:mod:`regather.core.acco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from regather.core import accounting, debug, mappings
 from regather.core.buffers import default_pool
-from regather.core.decision import Decision
+from regather.core.plan import Plan
 from regather.core.strategies import Strategy
 from regather.core.strategies.lowrank import replicated_shard
 from regather.core.strategies.paths import PathArgs, lookup
 from regather.core.strategies.predispatched import PREDISPATCHED
-from regather.core.strategies.regather import RegatherSlot, anchor, new_slot
+from regather.core.strategies.regather import anchor, new_slot
 from regather.core.strategies.shared_gather import SharedGather
 from regather.core.strategies.wgrad import linear
 
@@ -46,16 +44,6 @@ ACTIVATIONS = {
     "silu": torch.nn.functional.silu,
     "swish": torch.nn.functional.silu,
 }
-
-
-@dataclass
-class Plan:
-    """What one forward of an adapter does: the decision, the regather slot if any, and the
-    gather it shares with other adapters on the same input (``CanonicalLoRA``) if any."""
-
-    decision: Decision
-    slot: RegatherSlot | None = None
-    share: SharedGather | None = None
 
 
 def partial_output(out_i: torch.Tensor, rank: int, t: int) -> torch.Tensor:
@@ -117,7 +105,7 @@ class AdapterForward:
         if decision.used == Strategy.REGATHER and self.early_regather:
             slot = new_slot(x, self.tp_group, self.pool, early=True, share=share)
             x = anchor(x, self.linear_in.weight, slot)
-        return x, Plan(decision, slot, share)
+        return x, Plan(decision, slot=slot, share=share)
 
     def shares_input_gather(self, plan: Plan) -> bool:
         """Whether this forward's LoRA-A reads the full input (gather/regather, column-parallel,
