@@ -5,9 +5,11 @@ finds about TE needs a CUDA machine with TE (benchmarks/gpu/device_run.sh)."""
 
 import importlib.util
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,10 +19,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "te_norm_g
 
 @pytest.fixture(scope="module")
 def mod():
-    spec = importlib.util.spec_from_file_location("regather_bench_te_norm_grad", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The script's functions (run as a file: benchmarks/ is no package)."""
+    return SimpleNamespace(**runpy.run_path(str(SCRIPT), run_name="te_norm_grad"))
 
 
 @pytest.fixture(scope="module")
