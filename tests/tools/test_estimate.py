@@ -1,11 +1,14 @@
 """regather estimate: the analytic model, by hand-computed values (agreement with bench: tests/tools/test_bench*.py)."""
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
 
+from regather.core.recompute.graph import NOTHING_KEPT
 from regather.megatron.moe.inputs import PREDISPATCH, REDISPATCH, REDISPATCH_OPT_IN
+from regather.megatron.reasons import no_recomputable_producer
 from regather.tools import cli
 from regather.tools.estimate import (
     PRESETS,
@@ -18,6 +21,7 @@ from regather.tools.estimate import (
     estimate,
     expert_inputs,
 )
+from regather.tools.estimate.report import reference_on_te
 
 QWEN3_8B = PRESETS["qwen3-8b"]
 S, B, H = 8192, 1, 4096
@@ -97,7 +101,7 @@ def test_in_flight_and_pipeline_scale_the_bytes():
 
 
 def test_cli_json_and_custom_sizes(capsys):
-    assert cli.main(["estimate", "--model", "llama3-70b", "--layers", "4", "--seq", "1024", "--json"]) == 0
+    assert cli.main(["estimate", "--spec", "local", "--model", "llama3-70b", "--layers", "4", "--seq", "1024", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"]["layers"] == 4 and out["model"]["hidden"] == 8192
     assert out["strategies"]["regather"]["saved_vs_gather"] == 4 * 2 * 1024 * 8192 * 2 // 2
@@ -173,21 +177,45 @@ def test_lowrank_removes_a_dx_reduce_scatter_only_where_dx_exists():
     assert grad["extra_comm_bytes"]["reduce_scatter"] == -2 * x + 2 * mid
 
 
-def test_no_sp_keeps_qkv_fc1_but_fc2_recomputes():
-    res = estimate(QWEN3_8B, Run(tp=2, sp=False, seq=S), ["regather-recompute"])["regather-recompute"]
-    assert res["recomputed_by_target"] == {"linear_fc2": 36}
-    assert any("the replicated path keeps its input" in k for k in res["kept_by_reason"])
+LLAMA3_70B = PRESETS["llama3-70b"]
+
+
+@pytest.mark.parametrize("model,run", [
+    (LLAMA3_70B, Run(tp=8, sp=False, seq=4096)),  # llama3_70b_peft_8gpu's layout
+    (QWEN3_8B, Run(tp=1, seq=2048)),  # qwen3_8b_peft_1gpu's layout
+    (QWEN3_8B, Run(tp=2, sp=False, seq=S)),
+])
+def test_replicated_recompute_rebuilds_qkv_fc1_and_fc2(model, run):
+    """TP = 1 or SP off (the replicated path, every strategy alike): with recompute_adapter_inputs
+    qkv / fc1 inputs are rebuilt from the norms' inputs, fc2's from the activation's, so only
+    linear_proj's input (megatron's unfused attention) and, with frozen embeddings, layer 0's qkv
+    input (input_layernorm keeps nothing) stay."""
+    n, s, t = model.layers, run.seq, run.tp
+    x, proj, fc2 = s * model.hidden * 2, s * model.heads * model.head_dim // t * 2, s * model.ffn // t * 2
+    res = estimate(model, run)
+    for name in ("gather", "regather", "lowrank"):
+        assert res[name]["adapter_input_by_target"] == {"linear_qkv": n * x, "linear_proj": n * proj,
+                                                        "linear_fc1": n * x, "linear_fc2": n * fc2}
+        rc = res[name + "-recompute"]
+        assert rc["adapter_input_by_target"] == {"linear_qkv": x, "linear_proj": n * proj, "linear_fc1": 0,
+                                                 "linear_fc2": 0}
+        assert rc["recomputed_by_target"] == {"linear_qkv": n - 1, "linear_fc1": n, "linear_fc2": n}
+        assert rc["saved_vs_gather"] == (2 * n - 1) * x + n * fc2
+        assert rc["saved_vs_gather_input_requires_grad"] == 2 * n * x + n * fc2
+        assert rc["kept_by_reason"] == {f"linear_qkv: input_layernorm: {NOTHING_KEPT}": 1,
+                                        f"linear_proj: {no_recomputable_producer('linear_proj')}": n}
+        assert rc["extra_comm_bytes"] == {}
 
 
 def test_unknown_variant_and_cli_report(capsys):
     with pytest.raises(ValueError, match="unknown strategy"):
         estimate(QWEN3_8B, Run(), ["bogus-recompute"])
-    assert cli.main(["estimate", "--model", "qwen3-8b", "--tp", "2", "--seq", "8192"]) == 0
+    assert cli.main(["estimate", "--spec", "local", "--model", "qwen3-8b", "--tp", "2", "--seq", "8192"]) == 0
     out = capsys.readouterr().out
     assert "reference measured" in out and "4.731 GB" in out
     assert "[regather-recompute]" in out and "8.422 GB" in out and "8.456 GB" in out
     assert "kept: 1 x linear_qkv: input_layernorm: it keeps nothing for its backward" in out
-    assert cli.main(["estimate", "--model", "qwen3-8b", "--input-requires-grad", "--json",
+    assert cli.main(["estimate", "--spec", "local", "--model", "qwen3-8b", "--input-requires-grad", "--json",
                      "--strategies", "regather-recompute"]) == 0
     row = json.loads(capsys.readouterr().out)["strategies"]["regather-recompute"]
     assert row["saved_vs_gather"] == 8_455_716_864
@@ -432,7 +460,7 @@ def test_qwen3_8b_recipe_targets_by_hand():
 
 
 def test_cli_recipe_names_the_targets_beside_the_reference(capsys):
-    args = ["estimate", "--model", "qwen3-8b", "--tp", "2", "--seq", "8192", "--strategies",
+    args = ["estimate", "--spec", "local", "--model", "qwen3-8b", "--tp", "2", "--seq", "8192", "--strategies",
             "gather,regather,regather-recompute"]
     assert cli.main(args + ["--recipe", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -468,7 +496,7 @@ def test_cli_recipe_names_the_targets_beside_the_reference(capsys):
 
 
 def test_recipe_per_preset_and_overrides(capsys):
-    base = ["estimate", "--json", "--strategies", "regather"]
+    base = ["estimate", "--spec", "local", "--json", "--strategies", "regather"]
     assert cli.main(base + ["--model", "gpt-oss-120b", "--tp", "2", "--ep", "8", "--recipe"]) == 0
     sw = json.loads(capsys.readouterr().out)["same_work"]
     assert sw["targets"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"] and sw["lora_rank"] == 32
@@ -492,13 +520,134 @@ def test_recipe_per_preset_and_overrides(capsys):
 
 
 def test_default_documents_carry_no_same_work(capsys):
-    """The default report and JSON are unchanged by the same-work options (no new key, no new line)."""
-    assert cli.main(["estimate", "--model", "qwen3-8b", "--json"]) == 0
+    """The local spec's report and JSON are unchanged by the same-work options and by --spec (no new key,
+    no new line)."""
+    assert cli.main(["estimate", "--spec", "local", "--model", "qwen3-8b", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert "same_work" not in doc and all("shared_by_target" not in row for row in doc["strategies"].values())
-    assert cli.main(["estimate", "--model", "qwen3-8b"]) == 0
+    assert cli.main(["estimate", "--spec", "local", "--model", "qwen3-8b"]) == 0
     out = capsys.readouterr().out
     assert "this estimate: LoRA on" not in out and "attention" not in out
+
+
+# -- --spec te: what Transformer Engine keeps (Bridge's recipes), beside the local spec -------------------
+
+FFN_8B = 12288
+
+
+def test_te_spec_sp_regather_frees_every_gathered_input():
+    """Qwen3-8B TP2 s8192 on TE: TE's LayerNormLinear keeps the ln_out shard (Bridge's
+    return_layernorm_output), the gather path's LoRA-A keeps the gathered copy beside it, regather's
+    LoRA-A keeps the shard TE keeps: regather frees x_full per eligible adapter (the local spec: half).
+    Fused attention keeps linear_proj's input; fc2's is new bytes on both specs."""
+    x_full, shard, fc2 = S * H * 2, S * H * 2 // 2, S * FFN_8B // 2 * 2
+    te = estimate(QWEN3_8B, Run(tp=2, seq=S, spec="te", attention_keeps_output=True))
+    assert te["gather"]["adapter_input_by_target"] == {"linear_qkv": 36 * (x_full + shard), "linear_proj": 0,
+                                                       "linear_fc1": 36 * (x_full + shard), "linear_fc2": 36 * fc2}
+    for name in ("regather", "lowrank"):
+        assert te[name]["adapter_input_by_target"] == {"linear_qkv": 36 * shard, "linear_proj": 0,
+                                                       "linear_fc1": 36 * shard, "linear_fc2": 36 * fc2}
+        assert te[name]["saved_vs_gather"] == 72 * x_full == 4_831_838_208
+        assert te[name]["shared_by_target"] == {"linear_proj": 36}
+    local = estimate(QWEN3_8B, Run(tp=2, seq=S))
+    assert local["regather"]["saved_vs_gather"] == 72 * shard
+    # the gather path's recompute rebuilds fc2 only: its gathered copy and TE's shard stay
+    gr = te["gather-recompute"]
+    assert gr["adapter_input_by_target"]["linear_qkv"] == 36 * (x_full + shard)
+    assert gr["recomputed_by_target"] == {"linear_fc2": 36}
+    # regather + recompute: every qkv / fc1 / fc2 input rebuilt but layer 0's qkv shard (frozen embeddings)
+    rr = te["regather-recompute"]
+    assert rr["adapter_input_bytes"] == shard
+    assert rr["saved_vs_gather"] == 72 * (x_full + shard) - shard + 36 * fc2
+    # what a peak-memory drop like the reference's should show: less one gathered input (the re-gather buffer)
+    ref = reference_on_te(QWEN3_8B, Run(tp=2, seq=S, spec="te", attention_keeps_output=True))
+    assert ref == {"regather_frees": 72 * x_full, "buffer": x_full, "peak_drop": 71 * x_full}
+    assert ref["peak_drop"] == 4_764_729_344  # against the reference's measured 4.731 GB
+
+
+def test_te_spec_replicated_keeps_what_lora_asked_te_to_keep():
+    """Llama 3 70B TP8 SP off s4096 on TE: LoRA-A's qkv / fc1 input is the ln_out TE keeps only because
+    LoRA asked for it (x_full each, every strategy); proj's is free (fused attention); fc2's new bytes.
+    -recompute (modelled, as on the local spec) rebuilds all but layer 0's qkv input."""
+    m, n, s = LLAMA3_70B, 80, 4096
+    x, proj, fc2 = s * 8192 * 2, s * 64 * 128 // 8 * 2, s * 28672 // 8 * 2
+    te = estimate(m, Run(tp=8, sp=False, seq=s, spec="te", attention_keeps_output=True))
+    local = estimate(m, Run(tp=8, sp=False, seq=s))
+    for name in ("gather", "regather", "lowrank"):
+        assert te[name]["adapter_input_by_target"] == {"linear_qkv": n * x, "linear_proj": 0, "linear_fc1": n * x,
+                                                       "linear_fc2": n * fc2}
+        assert local[name]["adapter_input_bytes"] == te[name]["adapter_input_bytes"] + n * proj
+        assert te[name + "-recompute"]["adapter_input_bytes"] == x
+        assert te[name + "-recompute"]["saved_vs_gather_input_requires_grad"] == 2 * n * x + n * fc2
+        assert local[name + "-recompute"]["adapter_input_bytes"] == x + n * proj
+    # TE with its unfused attention: proj as on the local spec
+    unfused = estimate(m, Run(tp=8, sp=False, seq=s, spec="te"), ["gather"])["gather"]
+    assert unfused["adapter_input_bytes"] == local["gather"]["adapter_input_bytes"]
+    with pytest.raises(ValueError, match="spec 'fused'"):
+        estimate(m, Run(spec="fused"))
+
+
+def test_cli_spec_te_is_the_default_and_shows_the_local_spec(capsys):
+    args = ["estimate", "--model", "llama3-70b", "--tp", "8", "--no-sp", "--seq", "4096"]
+    x, proj, fc2 = 4096 * 8192 * 2, 4096 * 64 * 128 // 8 * 2, 4096 * 28672 // 8 * 2
+    assert cli.main(args + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["spec"] == "te" and doc["run"]["sp"] is False
+    row = doc["strategies"]["regather-recompute"]
+    assert row["adapter_input_bytes"] == x
+    assert row["local_spec"] == {"adapter_input_bytes": x + 80 * proj, "saved_vs_gather": 159 * x + 80 * fc2}
+    assert doc["strategies"]["gather"]["local_spec"]["adapter_input_bytes"] == 160 * x + 80 * (proj + fc2)
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("  on the local spec           : ") == 6 and "spec: te (Transformer Engine" in out
+    assert "awaits GPU verification" in out
+    assert cli.main(args + ["--spec", "local", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "spec" not in doc and all("local_spec" not in r for r in doc["strategies"].values())
+
+
+def test_cli_reference_on_the_te_spec(capsys):
+    assert cli.main(["estimate", "--recipe", "qwen3-8b-reference", "--targets",
+                     "linear_qkv,linear_proj,linear_fc1,linear_fc2", "--strategies", "gather,regather"]) == 0
+    out = capsys.readouterr().out
+    x_full = S * H * 2
+    assert f"regather frees every gathered input: {72 * x_full / 1e9:.3f} GB" in out
+    assert f"{71 * x_full / 1e9:.3f} GB (" in out and "4.731 GB" in out  # 4.765 GB beside the reference's 4.731
+
+
+@pytest.mark.parametrize("name,layout", [
+    ("qwen3-8b-peft-1gpu", {"tp": 1, "sp": False, "seq": 2048, "lora_rank": 8,
+                            "targets": ["linear_qkv", "linear_proj"]}),
+    ("llama3-70b-peft-8gpu", {"tp": 8, "sp": False, "seq": 4096, "lora_rank": 16,
+                              "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}),
+    ("qwen3-8b-reference", {"tp": 2, "sp": True, "seq": 8192, "lora_rank": 8,
+                            "targets": ["linear_qkv", "linear_proj"]}),
+])
+def test_cli_recipe_layouts(capsys, name, layout):
+    """--recipe LAYOUT: the shipped recipe's model, layout and LoRA (Bridge 0.6.2's recipe functions)."""
+    assert cli.main(["estimate", "--recipe", name, "--json", "--strategies", "gather"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {k: doc["run"][k] for k in layout} == layout and doc["run"]["micro_batch"] == 1
+    assert doc["same_work"]["differs_from_recipe"] is None and doc["same_work"]["spec"] == "te"
+    assert cli.main(["estimate", "--recipe", name, "--tp", str(layout["tp"]), "--strategies", "gather"]) == 0
+    capsys.readouterr()  # a layout option that agrees with the layout is accepted
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--recipe", "llama3-70b-peft-8gpu", "--tp", "2"], "--tp 2 (it runs tp 8)"),
+    (["--recipe", "qwen3-8b-reference", "--no-sp", "--seq", "4096"], "--no-sp (it runs sp True), --seq 4096 (it "
+                                                                      "runs seq 8192)"),
+    (["--model", "qwen3-8b", "--recipe", "llama3-70b-peft-8gpu"], "--model qwen3-8b (it is llama3-70b)"),
+    (["--recipe", "qwen3-8b-peft-1gpu", "--pp", "2"], "--pp 2 (it runs 1)"),
+    (["--front-end", "torchtitan", "--spec", "local"], "--spec: Megatron's options"),
+])
+def test_cli_rejects_contradicting_layouts(argv, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        cli.main(["estimate", *argv])
+    with pytest.raises(SystemExit):  # argparse: an unknown layout or spec
+        cli.main(["estimate", "--recipe", "qwen3-8b-peft-2gpu"])
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--spec", "fused"])
 
 
 # -- --front-end torchtitan: torchtitan's dense blocks, its own LoRA as the baseline ------------------

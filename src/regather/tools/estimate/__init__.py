@@ -13,6 +13,9 @@ One module per concern:
 
 - :mod:`.config`  — the model and run (:mod:`regather.core.shapes`), the presets, the strategies
   and the layout checks; which producers keep a tensor to recompute from
+- :mod:`.spec`    — what the base linears keep on each layer spec (``--spec te``, the command's default:
+  Transformer Engine, what Bridge's recipes run; ``--spec local``: megatron's local spec, what bench
+  runs and :class:`Run` defaults to)
 - :mod:`.dense`   — the dense adapters' bytes and collectives (the per-adapter tables)
 - :mod:`.experts` — the expert adapters' bytes (the EP x ETP group's mean) and the collectives of
   rebuilding their inputs from the router's input
@@ -43,8 +46,10 @@ on them (:func:`~regather.tools.estimate.report.same_work`). What stays under
 ``recompute_adapter_inputs`` is ``linear_proj``'s input (the attention output) and, with frozen
 embeddings, layer 0's qkv shard; ``--attention fused`` (``Run.attention_keeps_output``: an attention
 kernel that keeps its output for its own backward, as flash-attention and Transformer Engine's
-fused attention do) counts ``linear_proj``'s input as 0 new bytes on every strategy. The default
-report is unchanged.
+fused attention do; the TE spec's default) counts ``linear_proj``'s input as 0 new bytes on every
+strategy. The local spec's report is unchanged by these options. ``--recipe LAYOUT`` also takes a
+shipped layout whole (:data:`~regather.tools.estimate.config.LAYOUTS`: Qwen3-8B's 1-GPU recipe at
+TP 1, Llama 3 70B's at TP 8 with SP off, and the reference's Qwen3-8B TP2 + SP run).
 
 Assumptions: SP layout ``[s, b, h]`` sharded over ``s``; LoRA on the linears
 named in ``--targets``; in MoE layers ``linear_fc1``/``linear_fc2`` are the
@@ -60,12 +65,15 @@ from regather.tools.estimate.config import (
     ALL_STRATEGIES,
     ATTENTION,
     EXPERT_LORA,
+    LAYOUTS,
     PRESETS,
     RECIPES,
     RECOMPUTE,
+    SPECS,
     STRATEGIES,
     VARIANTS,
     AdapterInput,
+    Layout,
     Model,
     Recipe,
     Run,
@@ -101,8 +109,9 @@ from regather.tools.estimate.summary import (
 from regather.tools.estimate.titan import titan_estimate
 
 __all__ = [
-    "ALL_STRATEGIES", "ALL_TARGETS", "ATTENTION", "EXPERT_LORA", "EXPERT_TARGETS", "NORM_OF", "PRESETS", "RECIPES",
-    "RECOMPUTE", "REFERENCE", "ROUTER_KEEPS_NOTHING", "STRATEGIES", "VARIANTS", "AdapterInput", "Model", "Recipe",
+    "ALL_STRATEGIES", "ALL_TARGETS", "ATTENTION", "EXPERT_LORA", "EXPERT_TARGETS", "LAYOUTS", "NORM_OF", "PRESETS",
+    "RECIPES", "RECOMPUTE", "REFERENCE", "ROUTER_KEEPS_NOTHING", "SPECS", "STRATEGIES", "VARIANTS", "AdapterInput",
+    "Layout", "Model", "Recipe",
     "Run", "adapter_input_bytes", "adapter_inputs", "as_json", "check_run", "comm_changes", "dense_comm_changes",
     "eligible_per_layer", "estimate", "expert_adapters_per_layer", "expert_comm_changes", "expert_fc1_source",
     "expert_inputs", "expert_layout", "expert_lora", "extra_comm_bytes", "format_report", "layers_here", "local_tokens",

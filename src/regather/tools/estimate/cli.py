@@ -16,8 +16,10 @@ from regather.tools.estimate.config import (
     ATTENTION,
     BRIDGE_VERSION,
     EXPERT_LORA,
+    LAYOUTS,
     PRESETS,
     RECIPES,
+    SPECS,
     Model,
     Run,
 )
@@ -45,12 +47,19 @@ TITAN_PRESET = "llama3-8b"  # --front-end torchtitan without --model
 
 
 class _Given(argparse.Action):
-    """Stores the value and records that the option was on the command line (``--recipe`` gives
-    the targets and rank only where they were not)."""
+    """Stores the value (``const`` for a flag, ``nargs=0``) and records that the option was on the
+    command line (``--recipe`` gives the targets and rank only where they were not, and a named
+    layout refuses a layout option that contradicts it)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
         namespace.given = frozenset(getattr(namespace, "given", ())) | {self.dest}
+
+
+# a named --recipe's layout fields, as the command line names them
+_LAYOUT_FLAGS = {"tp": "--tp", "sp": "--no-sp", "seq": "--seq", "micro_batch": "--micro-batch"}
+# options a named --recipe fixes to these values (its recipes run PP 1, EP 1)
+_LAYOUT_FIXED = {"pp": ("--pp", 1), "ep": ("--ep", 1), "etp": ("--etp", 1)}
 
 
 def _recipe_lora(recipe) -> str:
@@ -66,10 +75,16 @@ def register(subparsers) -> None:
                    help="preset (custom sizes override; --front-end torchtitan: default llama3-8b)")
     for flag in ("hidden", "ffn", "layers", "heads", "kv-heads", "head-dim", "experts", "moe-ffn", "topk"):
         p.add_argument(f"--{flag}", type=int, default=None)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--spec", choices=SPECS, default="te", action=_Given,
+                   help="what the base linears keep: te = Transformer Engine (transformer_impl=\"transformer_engine\", "
+                        "what Bridge's PEFT recipes run: LayerNormLinear keeps its ln_out for LoRA-A, fused attention "
+                        "its output; -recompute modelled, awaiting GPU verification); local = megatron's local spec "
+                        "(what regather bench runs)")
+    p.add_argument("--tp", type=int, default=2, action=_Given)
+    p.add_argument("--no-sp", dest="sp", action=_Given, nargs=0, const=False, default=True,
+                   help="sequence parallelism off")
+    p.add_argument("--seq", type=int, default=8192, action=_Given)
+    p.add_argument("--micro-batch", type=int, default=1, action=_Given)
     p.add_argument("--in-flight", type=int, default=1, help="micro-batches alive at once")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (layers per GPU = layers/pp)")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
@@ -88,15 +103,19 @@ def register(subparsers) -> None:
                         "float32 with gradient-accumulation fusion)")
     p.add_argument("--lora-rank", type=int, default=16, action=_Given)
     p.add_argument("--targets", type=_targets, default=",".join(ALL_TARGETS), action=_Given)
-    p.add_argument("--recipe", action="store_true",
-                   help=f"LoRA targets and dim of the preset's Megatron Bridge {BRIDGE_VERSION} PEFT recipe ("
+    p.add_argument("--recipe", nargs="?", const=True, default=False, choices=sorted(LAYOUTS), metavar="LAYOUT",
+                   help=f"alone: LoRA targets and dim of the preset's Megatron Bridge {BRIDGE_VERSION} PEFT recipe ("
                         + "; ".join(f"{k}: {_recipe_lora(r)}" for k, r in sorted(RECIPES.items()))
-                        + "); --targets and --lora-rank still override. The report then sets the targets beside "
-                          "the recipe's and the reference's")
-    p.add_argument("--attention", choices=ATTENTION, default="unfused", action=_Given,
+                        + "), the layout the command line's. With a LAYOUT, also its model and layout: "
+                        + "; ".join(f"{k}: {_layout_text(v)}" for k, v in LAYOUTS.items())
+                        + " (a --model, --tp, --no-sp, --seq, --micro-batch, --pp, --ep or --etp that contradicts "
+                          "it is refused). --targets and --lora-rank still override. The report then sets the "
+                          "targets beside the recipe's and the reference's")
+    p.add_argument("--attention", choices=ATTENTION, default=None, action=_Given,
                    help="fused: the attention keeps its output for its backward (flash-attention, TE's fused "
                         "attention), so linear_proj's LoRA-A input is 0 new bytes on every strategy; unfused: "
-                        "megatron's local attention (saves probs and V)")
+                        "megatron's local attention (saves probs and V). Default: fused on --spec te, unfused on "
+                        "--spec local")
     p.add_argument("--strategies", default=",".join(ALL_STRATEGIES), action=_Given,
                    help="some of " + ", ".join(ALL_STRATEGIES) + " (-recompute: recompute_adapter_inputs=True); "
                         "--front-end torchtitan: some of " + ", ".join(TITAN_VARIANTS))
@@ -116,6 +135,38 @@ def register(subparsers) -> None:
                         "the norm keeps its input, as CUDA's fused rms_norm)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=main)
+
+
+def _layout_text(layout) -> str:
+    return (f"{PRESETS[layout.preset].name} TP{layout.tp}, SP {'on' if layout.sp else 'off'}, seq {layout.seq}, "
+            f"micro-batch {layout.micro_batch} ({layout.source})")
+
+
+def apply_layout(args) -> None:
+    """``--recipe LAYOUT``: sets the preset and the layout on ``args``; exits naming the values where
+    an option given on the command line contradicts the layout (before anything is estimated)."""
+    name = getattr(args, "recipe", False)
+    if not isinstance(name, str):
+        return
+    layout, given = LAYOUTS[name], _given(args)
+    wrong = [f"--model {args.model} (it is {layout.preset})"] if "model" in given and args.model != layout.preset \
+        else []
+    for field, flag in _LAYOUT_FLAGS.items():
+        if field in given and getattr(args, field) != getattr(layout, field):
+            shown = "" if field == "sp" else f" {getattr(args, field)}"
+            wrong.append(f"{flag}{shown} (it runs {field.replace('_', '-')} {getattr(layout, field)})")
+    wrong += [f"{flag} {getattr(args, field)} (it runs {value})" for field, (flag, value) in _LAYOUT_FIXED.items()
+              if getattr(args, field) != value]
+    if wrong:
+        raise SystemExit(f"regather estimate --recipe {name}: {', '.join(wrong)}; leave them out or drop the layout")
+    args.model, args.tp, args.sp, args.seq, args.micro_batch = (layout.preset, layout.tp, layout.sp, layout.seq,
+                                                                 layout.micro_batch)
+
+
+def attention(args) -> str:
+    """``--attention`` as given, else the spec's: TE's fused attention, or megatron's unfused local one."""
+    given = getattr(args, "attention", None)
+    return given or ("fused" if getattr(args, "spec", "local") == "te" else "unfused")
 
 
 def model_from_args(args) -> Model:
@@ -141,7 +192,7 @@ def run_from_args(args) -> Run:
                pp=args.pp, dtype=args.dtype, grad_dtype=args.grad_dtype, lora_rank=rank, targets=targets,
                first_stage=args.first_stage, input_requires_grad=args.input_requires_grad, ep=args.ep, etp=args.etp,
                share_expert_adapters=args.expert_lora == "shared", redispatch_expert_inputs=args.redispatch,
-               attention_keeps_output=getattr(args, "attention", "unfused") == "fused")
+               attention_keeps_output=attention(args) == "fused", spec=getattr(args, "spec", "local"))
 
 
 def titan_from_args(args) -> tuple[Model, Run, tuple]:
@@ -152,7 +203,7 @@ def titan_from_args(args) -> tuple[Model, Run, tuple]:
     given, d = _given(args), {"ep": 1, "etp": 1, "expert_lora": "shared", "redispatch": False, "dispatcher": "alltoall",
                                "grad_dtype": None, "experts": None, "moe_ffn": None, "topk": None, "recipe": False}
     other = [f"--{n.replace('_', '-')}" for n, v in d.items() if getattr(args, n, v) != v]
-    other += ["--attention"] if "attention" in given else []
+    other += [f"--{n}" for n in ("attention", "spec") if n in given]
     if other:
         raise SystemExit(f"regather estimate --front-end torchtitan: {', '.join(other)}: Megatron's options "
                          "(torchtitan's LoRA adapts dense Linear configs; its attention keeps its output)")
@@ -199,6 +250,7 @@ def main(args) -> int:
         return titan_main(args)
     if getattr(args, "norm_upcasts", False):
         raise SystemExit("regather estimate: --norm-upcasts is --front-end torchtitan's")
+    apply_layout(args)
     model, run = model_from_args(args), run_from_args(args)
     titan = [t for t in run.targets if t in TITAN_TARGETS]
     if titan:
@@ -211,11 +263,15 @@ def main(args) -> int:
         result = estimate(model, run, strategies)
     except ValueError as exc:  # sizes that do not divide: say which
         raise SystemExit(f"regather estimate: {exc}") from None
+    # the TE report says, per strategy, what the local spec keeps and frees (with its own attention
+    # unless --attention was given)
+    local = None if run.spec == "local" else estimate(
+        model, replace(run, spec="local", attention_keeps_output=(args.attention or "unfused") == "fused"), strategies)
     ref = reference_for(args.model, model, run)
     asked = getattr(args, "recipe", False) or bool(_given(args) & set(SAME_WORK_OPTIONS))
     same = same_work(args.model, model, run, ref) if asked else None
     if args.json:
-        print(json.dumps(as_json(model, run, result, ref, same), indent=1))
+        print(json.dumps(as_json(model, run, result, ref, same, local), indent=1))
     else:
-        print(format_report(model, run, result, ref, same))
+        print(format_report(model, run, result, ref, same, local))
     return 0

@@ -28,6 +28,7 @@ RECOMPUTE = "-recompute"  # suffix: LoRA(recompute_adapter_inputs=True) on that 
 VARIANTS = tuple(name + RECOMPUTE for name in STRATEGIES)
 ALL_STRATEGIES = STRATEGIES + VARIANTS
 EXPERT_LORA = ("shared", "per-expert")  # one LoRA pair for a layer's local experts, or one per expert
+SPECS = ("te", "local")  # --spec: Transformer Engine (Bridge's recipes) or megatron's local spec
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,9 @@ PRESETS = {
 @dataclass(frozen=True)
 class Recipe:
     """A Megatron Bridge PEFT recipe's LoRA: what ``--recipe`` estimates (Bridge 0.6.2's
-    ``megatron.bridge.recipes``). Only the LoRA is taken from it; the layout (TP, EP, SP, sequence
-    length) stays the command line's, as the reference's runs changed the recipes' layouts."""
+    ``megatron.bridge.recipes``). A bare ``--recipe`` takes only the LoRA from it; the layout (TP, EP,
+    SP, sequence length) stays the command line's, as the reference's runs changed the recipes'
+    layouts. ``--recipe LAYOUT`` takes a layout too (:data:`LAYOUTS`)."""
 
     function: str  # the recipe's function in megatron.bridge.recipes
     targets: tuple
@@ -77,6 +79,32 @@ RECIPES = {
     "gpt-oss-120b": Recipe("gpt_oss_120b_peft_8gpu_h100_bf16_config", ALL_TARGETS, 32, 32,
                            "TP1/EP8, SP off, seq 2048"),
     "llama3-70b": Recipe("llama3_70b_peft_8gpu_h100_bf16_config", ALL_TARGETS, 16, 32, "TP8, SP off, seq 4096"),
+}
+
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A shipped run layout ``--recipe NAME`` selects whole: the preset, its parallel layout and
+    sequence length, and the preset's recipe LoRA (:data:`RECIPES`). Read from Bridge 0.6.2's recipe
+    functions (``tensor_model_parallel_size``, ``sequence_parallel``, ``seq_length``,
+    ``micro_batch_size``; PP 1, EP 1 in both), except the reference's layout, which is its table's."""
+
+    preset: str
+    tp: int
+    sp: bool
+    seq: int
+    micro_batch: int
+    source: str  # where the layout comes from, for the report and --help
+
+
+LAYOUTS = {
+    "qwen3-8b-peft-1gpu": Layout("qwen3-8b", 1, False, 2048, 1,
+                                 "Bridge 0.6.2 qwen3_8b_peft_1gpu_h100_bf16_config"),
+    "llama3-70b-peft-8gpu": Layout("llama3-70b", 8, False, 4096, 1,
+                                   "Bridge 0.6.2 llama3_70b_peft_8gpu_h100_bf16_config"),
+    "qwen3-8b-reference": Layout("qwen3-8b", 2, True, 8192, 1,
+                                 "the reference's Qwen3-8B run (TP2, seq 8192, re-gather: SP on)"),
 }
 
 # --attention: whether the attention kernel keeps its output for its own backward
@@ -104,6 +132,9 @@ class Run(RunShape):
     # save ``out``): linear_proj's LoRA-A input is that tensor, 0 new bytes on every strategy.
     # False: megatron's unfused local attention, which saves probs and V, not the output
     attention_keeps_output: bool = False
+    # what the base linears keep (regather.tools.estimate.spec): "local" (megatron's local spec, what
+    # bench runs; the library default) or "te" (Transformer Engine, what Bridge's recipes run)
+    spec: str = "local"
 
     @property
     def e(self) -> int:
@@ -135,6 +166,8 @@ def ring(nbytes: int, t: int) -> int:
 def check_run(model: Model, run: Run) -> None:
     """A ``ValueError`` naming the values for a layout that cannot exist (sizes that do not divide)
     or that estimate does not model."""
+    if run.spec not in SPECS:
+        raise ValueError(f"spec {run.spec!r}: expected one of {SPECS}")
     if run.sp and run.seq % run.tp:
         raise ValueError(f"sequence {run.seq} is not divisible by TP {run.tp}")
     if model.dispatcher not in REPLAYED_DISPATCHERS:

@@ -12,7 +12,9 @@ linear_proj, fused attn 0 (its output, kept) 0
 dense linear_fc2        ``s*b*ffn/t*e``       same
 ======================= ===================== =============================
 
-Without SP, or at TP=1, every strategy keeps ``s*b*h*e`` for qkv/fc1. linear_proj's input is
+Without SP, or at TP=1, every strategy keeps ``s*b*h*e`` for qkv/fc1. These are the local spec's
+terms; the TE spec (``Run.spec="te"``, :mod:`regather.tools.estimate.spec`) adds TE's ``ln_out``
+shard beside the gather path's gathered copy under SP. linear_proj's input is
 the attention output: new bytes under megatron's unfused local attention (it saves the
 probabilities and V), none where the attention kernel keeps its output for its own backward
 (flash-attention, Transformer Engine's fused attention: ``--attention fused``,
@@ -25,9 +27,10 @@ probabilities and V), none where the attention kernel keeps its output for its o
 ======================= ============================================================
 adapter                 recomputes when
 ======================= ============================================================
-linear_qkv, dense fc1   regather or lowrank on an eligible adapter (SP, TP>1), and the
+linear_qkv, dense fc1   regather or lowrank on an eligible adapter (SP, TP>1), or any
+                        strategy on the replicated path (TP=1, or SP off), and the
                         norm's input (``input_layernorm`` / ``pre_mlp_layernorm``)
-                        requires grad; on the gather path or without SP: kept
+                        requires grad; on the gather path under SP: kept
 dense linear_fc2        every strategy, when fc1's output requires grad
 linear_proj             never (no recomputable producer)
 ======================= ============================================================
@@ -69,6 +72,7 @@ from regather.tools.estimate.config import (
     ring,
     split_strategy,
 )
+from regather.tools.estimate.spec import replicated, te_shard_beside
 
 MLP_ACTIVATION = "the MLP activation"  # the producer of a dense fc2 input (its function's name omitted)
 
@@ -92,12 +96,12 @@ def adapter_inputs(model: Model, run: Run, strategy: str) -> list[list[AdapterIn
                 continue
             if name in ("linear_qkv", "linear_fc1"):
                 shard = local and name in eligible
-                kept = s * b * model.hidden * e // (t if shard else 1)
+                gathered = not shard and not replicated(run)  # the gather path under SP
+                kept = s * b * model.hidden * e // (t if shard else 1) + te_shard_beside(model, run, gathered)
                 if not recompute:
                     row.append(AdapterInput(name, kept))
-                elif not shard:
-                    path = "gather" if (run.sp and run.tp > 1) else "replicated"
-                    row.append(AdapterInput(name, kept, kept_because=kept_as_is(path)))
+                elif gathered:
+                    row.append(AdapterInput(name, kept, kept_because=kept_as_is("gather")))
                 elif not need_grad[name]:
                     row.append(AdapterInput(name, kept, kept_because=f"{NORM_OF[name]}: {NOTHING_KEPT}"))
                 else:

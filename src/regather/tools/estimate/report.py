@@ -14,7 +14,8 @@ from regather.tools.estimate.config import (
     layers_here,
 )
 from regather.tools.estimate.experts import expert_layout
-from regather.tools.estimate.summary import adapter_input_bytes
+from regather.tools.estimate.spec import LOCAL, spec_lines
+from regather.tools.estimate.summary import adapter_input_bytes, saved_vs_gather
 
 # The reference's measured peak-memory drops with sequence_parallel_input_regather=True
 # (/work/shared/reference: Qwen3-8B TP2 seq 8192; the MoE rows state TP and EP, not their
@@ -81,6 +82,8 @@ def same_work(preset: str, model: Model, run: Run, reference: dict | None = None
                               else f"new bytes on every strategy: {UNFUSED}"),
         "regather_bound": sum(gathered.get(name, 0) for name in eligible),
     }
+    if run.spec != LOCAL:  # only where it is not the local spec: the local document is unchanged
+        out["spec"] = run.spec
     out["reference_exceeds_bound"] = bool(reference and reference["seq_stated"]
                                           and reference["saved"] > out["regather_bound"])
     return out
@@ -95,8 +98,9 @@ def _same_work_lines(sw: dict, reference: dict | None) -> list[str]:
         verdict = sw["differs_from_recipe"] or "the recipe's targets and dim"
         lines.append(f"  Bridge {recipe['bridge']} PEFT recipe {recipe['function']} (its layout {recipe['layout']}): "
                      f"LoRA on {_names(recipe['targets'])}, dim {recipe['dim']}, alpha {recipe['alpha']} -> {verdict}")
-    lines.append(f"  the most any re-gather frees on these targets (x_full of every eligible adapter): "
-                 f"{gb(sw['regather_bound'])}")
+    what = "x_full of every eligible adapter" if sw.get("spec", LOCAL) == LOCAL else \
+        "x_full and TE's ln_out shard of every eligible adapter"
+    lines.append(f"  the most any re-gather frees on these targets ({what}): {gb(sw['regather_bound'])}")
     if sw["reference_exceeds_bound"]:
         lines.append(f"  the reference's {reference['saved'] / 1e9:.3f} GB is more than that: its run most likely "
                      "had more re-gather-eligible adapters than these targets give")
@@ -121,9 +125,21 @@ def run_json(model: Model, run: Run) -> dict:
             "dispatcher": model.dispatcher}
 
 
-def as_json(model: Model, run: Run, result: dict, reference: dict | None = None, same: dict | None = None) -> dict:
+def as_json(model: Model, run: Run, result: dict, reference: dict | None = None, same: dict | None = None,
+            local: dict | None = None) -> dict:
+    """The ``--json`` document. On the TE spec also ``"spec"`` and, with ``local`` (:func:`estimate` of
+    the same run on the local spec), each strategy's ``"local_spec"`` bytes and saving; the local
+    spec's document is as it was before ``--spec`` existed."""
     out = {"model": model_json(model), "run": run_json(model, run), "experts": expert_layout(model, run),
            "strategies": result, "reference_saved": reference}
+    if run.spec != LOCAL:
+        out["spec"] = run.spec
+        out["spec_notes"] = spec_lines(run)
+        if reference:
+            out["reference_on_spec"] = reference_on_te(model, run)
+        out["strategies"] = {name: {**row, **({"local_spec": {k: local[name][k] for k in (
+            "adapter_input_bytes", "saved_vs_gather")}} if local and name in local else {})}
+            for name, row in result.items()}
     if same is not None:  # only where asked: the default document is unchanged
         out["same_work"] = same
     return out
@@ -149,8 +165,21 @@ def _expert_lines(model: Model, run: Run) -> list[str]:
             f"{run.etp} = {layout['routed_rows']} (mean over the EP x ETP group; exact for dropless routing)"]
 
 
+def reference_on_te(model: Model, run: Run) -> dict | None:
+    """What a peak-memory drop like the reference's should show on the TE spec: regather's saving
+    less one gathered input alive at a time in backward (the re-gather buffer, transient and so not
+    in the adapter-input bytes). None without an eligible adapter."""
+    if not eligible_per_layer(model, run):
+        return None
+    frees = saved_vs_gather(model, run, "regather")
+    buffer = run.seq * run.micro_batch * model.hidden * run.e
+    return {"regather_frees": frees, "buffer": buffer, "peak_drop": frees - buffer}
+
+
 def format_report(model: Model, run: Run, result: dict, reference: dict | None = None,
-                  same: dict | None = None) -> str:
+                  same: dict | None = None, local: dict | None = None) -> str:
+    """The text report; on the TE spec with ``local`` (:func:`estimate` of the same run on the local
+    spec) each strategy also says what it keeps and frees there."""
     eligible = eligible_per_layer(model, run)
     lines = [
         f"{model.name}: h={model.hidden}, {model.layers} layers ({layers_here(model, run)} on this GPU), "
@@ -165,11 +194,17 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
                              "frozen embeddings (needs no grad; --input-requires-grad: as with Bridge's "
                              "maybe_enable_recompute_inputs_grad / HF's enable_input_require_grads)"),
     ]
+    lines += spec_lines(run)
     if reference:
         lines.append(f"reference measured (peak-memory drop, sequence_parallel_input_regather=True, "
                      f"{reference['note']}): {gb(reference['saved'])}"
                      + (f"; this estimate: LoRA on {_names(run.targets)}, r={run.lora_rank} (the reference does "
                         "not state its targets)" if same else ""))
+        te = reference_on_te(model, run) if run.spec != LOCAL else None
+        if te:
+            lines.append(f"  on the TE spec regather frees every gathered input: {gb(te['regather_frees'])}; less "
+                         f"one gathered input alive in backward (its re-gather buffer, {gb(te['buffer'])}): "
+                         f"{gb(te['peak_drop'])} against the reference's peak drop")
     if same:
         if not reference:
             lines.append(f"this estimate: LoRA on {_names(run.targets)}, r={run.lora_rank} (no reference measurement "
@@ -184,6 +219,9 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
             parts = ", ".join(f"{k.split('.')[1]} {v / 1e9:.3f} GB" for k, v in experts.items())
             lines.append(f"    of which expert adapters  : {gb(sum(experts.values()))}: {parts}")
         lines.append(f"  saved vs gather             : {gb(row['saved_vs_gather'])}")
+        if local and name in local:
+            lines.append(f"  on the local spec           : {gb(local[name]['adapter_input_bytes'])}, saved vs gather "
+                         f"{gb(local[name]['saved_vs_gather'])}")
         if "saved_vs_gather_frozen_input" in row:
             frozen, grad = row["saved_vs_gather_frozen_input"], row["saved_vs_gather_input_requires_grad"]
             if frozen != grad:
