@@ -219,9 +219,6 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
             parts = ", ".join(f"{k.split('.')[1]} {v / 1e9:.3f} GB" for k, v in experts.items())
             lines.append(f"    of which expert adapters  : {gb(sum(experts.values()))}: {parts}")
         lines.append(f"  saved vs gather             : {gb(row['saved_vs_gather'])}")
-        if local and name in local:
-            lines.append(f"  on the local spec           : {gb(local[name]['adapter_input_bytes'])}, saved vs gather "
-                         f"{gb(local[name]['saved_vs_gather'])}")
         if "saved_vs_gather_frozen_input" in row:
             frozen, grad = row["saved_vs_gather_frozen_input"], row["saved_vs_gather_input_requires_grad"]
             if frozen != grad:
@@ -234,6 +231,9 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
             lines.append(f"  inputs recomputed           : {done}")
             for why, n in row["kept_by_reason"].items():
                 lines.append(f"    kept: {n} x {_short(why)}")
+        if local and name in local:
+            lines.append(f"  on the local spec           : {gb(local[name]['adapter_input_bytes'])}, saved vs gather "
+                         f"{gb(local[name]['saved_vs_gather'])}")
         if row.get("shared_by_target"):
             shared = ", ".join(f"{k} {v}" for k, v in row["shared_by_target"].items())
             lines.append(f"  inputs kept anyway, 0 new B : {shared} (the attention output)")
