@@ -25,7 +25,7 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	# replacing it with another build from the index (a CUDA wheel of several GB).
 	echo '$(TORCH_PIN)' > $(VENV)/constraints.txt
 	$(PIP) install -q -c $(VENV)/constraints.txt -r requirements-dev.txt
-	# torchtitan (tests/torchtitan): its own pins without its declared dependencies (datasets, tensorboard,
+	# torchtitan (tests/*/torchtitan): its own pins without its declared dependencies (datasets, tensorboard,
 	# wandb, ...: not imported by what the tests run); tyro & co. come from requirements-dev.txt.
 	$(PIP) install -q --no-deps -c $(VENV)/constraints.txt torchtitan==0.3.0 spmd_types==0.2.3
 	$(PIP) install -q --no-deps --no-build-isolation -e .
@@ -37,12 +37,12 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests
 
-# the tests that run in-process, and those that spawn gloo ranks (marker `distributed`)
+# the tests that run in-process (tests/unit), and those that spawn gloo ranks (tests/distributed, marker `distributed`)
 test-unit: venv
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not distributed" tests
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/unit
 
 test-distributed: venv
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m distributed tests
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed
 
 # ruff (pyproject.toml [tool.ruff]) and the layering contracts (pyproject.toml [tool.importlinter]):
 # tools > testing > hf > front ends > core > ops, MoE above the dense front end, no import cycle
@@ -56,14 +56,14 @@ clean:
 # The distributed and integration tests (megatron's DDP, optimizer, schedules, dist_checkpointing)
 # against megatron-core 0.19.2, which declares Python 3.12. Where Python 3.12 is found they run in
 # the 3.12 tier's venv (.venv312, .ci/venv312.sh), megatron-core 0.19.2 installed there as a package
-# (tests/torchtitan imports no megatron and runs in make test; the Bridge and recipe tiers have
+# (tests/distributed/torchtitan imports no megatron and runs in make test; the Bridge and recipe tiers have
 # their own targets). Without Python 3.12: megatron-core 0.19.2 placed beside the 3.11 stack with
 # PYTHONPATH (design.md §6; it imports triton), which make test-bridge uses in any case.
 COMPAT_DIR := .venv-compat/mcore019
 COMPAT_PIN := megatron-core==0.19.2
 VENV312 := .venv312
-COMPAT_ARGS := -m distributed --ignore=tests/megatron/bridge --ignore=tests/testing --ignore=tests/recipes \
-	--ignore=tests/torchtitan tests
+COMPAT_ARGS := --ignore=tests/distributed/megatron/bridge --ignore=tests/distributed/testing \
+	--ignore=tests/distributed/recipes --ignore=tests/distributed/torchtitan tests/distributed
 
 $(COMPAT_DIR)/.installed: $(STAMP)
 	$(PIP) install -q --no-deps --ignore-requires-python --target $(COMPAT_DIR) \
@@ -84,13 +84,13 @@ test-compat-311: $(COMPAT_DIR)/.installed
 	PYTHONPATH=$(COMPAT_DIR) $(PY) -c "import megatron.core as m; assert m.__version__.startswith('0.19.2'), m.__version__"
 	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile $(COMPAT_ARGS)
 
-# The tests against the real Megatron Bridge (tests/megatron/bridge; ~2 min on 2 cores). megatron-bridge 0.6.2 is a
+# The tests against the real Megatron Bridge (tests/*/megatron/bridge; ~2 min on 2 cores). megatron-bridge 0.6.2 is a
 # pure-Python wheel that declares Python 3.12 and a GPU stack: it goes beside the pinned stack like
 # megatron-core 0.19.2 (--no-deps, --ignore-requires-python), and regather.testing.bridge_env adds the
 # import-level shims its PEFT code needs on CPU. Bridge 0.6.2 pins no megatron-core version
 # (megatron-core[dev,mlm]), but its PEFT code imports megatron.core.models.hybrid.hybrid_block, which
 # megatron-core has from 0.18 on (not in 0.17.1 nor 0.16.1): the tests run with 0.19.2 on the path;
-# tests/megatron/bridge/test_bridge_mcore016.py checks the pinned 0.16.1 too (with a HybridStack stand-in).
+# tests/distributed/megatron/bridge/test_bridge_mcore016.py checks the pinned 0.16.1 too (with a HybridStack stand-in).
 BRIDGE_DIR := .venv-compat/bridge
 BRIDGE_PIN := megatron-bridge==0.6.2
 BRIDGE_PATH := $(BRIDGE_DIR):$(COMPAT_DIR)
@@ -105,7 +105,7 @@ $(BRIDGE_DIR)/.installed: $(STAMP)
 test-bridge: $(BRIDGE_DIR)/.installed $(COMPAT_DIR)/.installed
 	PYTHONPATH=$(BRIDGE_PATH) $(PY) -c "import importlib.metadata as md; \
 		v = md.version('megatron-bridge'), md.version('megatron-core'); assert v == ('0.6.2', '0.19.2'), v"
-	PYTHONPATH=$(BRIDGE_PATH) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/megatron/bridge
+	PYTHONPATH=$(BRIDGE_PATH) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/unit/megatron/bridge tests/distributed/megatron/bridge
 
 # The Python 3.12 tier (docs/testing.md): Megatron Bridge 0.6.2's own recipes as users run them, on
 # the real megatron-bridge 0.6.2 and megatron-core 0.19.2 installed as packages in .venv312
@@ -117,4 +117,4 @@ test-recipes:
 	@.ci/venv312.sh $(VENV312); rc=$$?; \
 	if [ $$rc -eq 3 ]; then echo "make test-recipes: skipped (no Python 3.12 on this machine)"; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc
-	PYTHONPATH=src $(VENV312)/bin/python -m pytest -q -p no:cacheprovider tests/recipes
+	PYTHONPATH=src $(VENV312)/bin/python -m pytest -q -p no:cacheprovider tests/unit/recipes tests/distributed/recipes

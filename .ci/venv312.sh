@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the Python 3.12 environment of the recipe tier and of make test-compat (tests/recipes: the real Megatron Bridge 0.6.2
+# Build the Python 3.12 environment of the recipe tier and of make test-compat (tests/*/recipes: the real Megatron Bridge 0.6.2
 # and megatron-core 0.19.2, installed as packages, on CPU) from the pins in requirements-py312.txt.
 #
 #   .ci/venv312.sh VENV_DIR            e.g. .ci/venv312.sh .venv312

@@ -1,10 +1,13 @@
 """Shared by every test folder.
 
-The folders mirror the package (``core``, ``ops``, ``megatron`` with ``moe``, ``training`` and
-``bridge``, ``hf``, ``tools``, ``testing``, ``benchmarks``). A test's rank bodies live in
-``workers_*.py`` beside it and are imported by name — also by spawned ranks, which inherit the
-parent's ``sys.path`` — so every test folder is put on the path here, and one folder may use
-another's bodies (names are unique across folders).
+``tests/unit/`` holds the tests that run in this process, ``tests/distributed/`` those that spawn
+gloo ranks (marker ``distributed``); inside each, the area folders mirror the package (``core``,
+``ops``, ``megatron`` with ``moe``, ``training`` and ``bridge``, ``hf``, ``tools``, ``torchtitan``,
+``recipes``, ``testing``, ``benchmarks``). A test's rank bodies live in ``workers_*.py`` beside it
+and are imported by name — also by spawned ranks, which inherit the parent's ``sys.path`` — so every
+area folder is put on the path here, and one folder may use another's bodies (names are unique
+across folders). ``tests/unit`` and ``tests/distributed`` themselves never go on the path: their
+``megatron`` folders would join megatron-core's ``megatron`` namespace package.
 """
 
 import sys
@@ -14,7 +17,9 @@ import pytest
 import torch.distributed as dist
 
 _HERE = Path(__file__).resolve().parent
-for _folder in sorted(p for p in _HERE.rglob("*") if p.is_dir() and p.name != "__pycache__" and not p.name.startswith(".")):
+_TOPS = {_HERE / "unit", _HERE / "distributed"}
+for _folder in sorted(p for p in _HERE.rglob("*") if p.is_dir() and p.name != "__pycache__"
+                      and not p.name.startswith(".") and p not in _TOPS):
     if str(_folder) not in sys.path:
         sys.path.append(str(_folder))
 

@@ -5,7 +5,7 @@ Operation: ``main_grad[r, h] (fp32) += grad_output[K, r]^T @ input[K, h]`` (bf16
 For every shape in r x h x K it
 
 1. checks each implementation against an fp64 reference (same bound as
-   ``tests/ops/test_wgrad.py``: error <= 4 x the PyTorch fp32-path error
+   ``tests/unit/ops/test_wgrad.py``: error <= 4 x the PyTorch fp32-path error
    + 8 eps32 max|ref|), and that repeated runs are bit-identical;
 2. times each implementation with CUDA events, one event pair per run, the L2
    flushed before every run, and reports the median (plus min / p90).

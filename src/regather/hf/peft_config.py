@@ -1,7 +1,7 @@
 """``adapter_config.json``: what regather writes, what it reads, what it refuses.
 
 No import of ``peft``: the fields below are those ``LoraConfig(...).save_pretrained`` writes
-in peft 0.21.2 (``tests/hf/test_peft_hf.py`` compares them with the real library),
+in peft 0.21.2 (``tests/distributed/hf/test_peft_hf.py`` compares them with the real library),
 and the target matching follows ``peft.tuners.tuners_utils.check_target_module_exists``
 (compared there too).
 """

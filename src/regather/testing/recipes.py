@@ -1,5 +1,5 @@
 """Megatron Bridge 0.6.2's PEFT recipes, as users run them, on a CPU-only Python 3.12 machine
-with no hub access (the Python 3.12 tier, tests/recipes; issue 27). Tests only.
+with no hub access (the Python 3.12 tier, tests/*/recipes; issue 27). Tests only.
 
 The real ``megatron-bridge==0.6.2`` and ``megatron-core==0.19.2`` are installed as packages
 (``.ci/venv312.sh``); nothing of Bridge is patched or copied. What it takes to run a recipe
@@ -72,7 +72,7 @@ BRIDGE_VERSION = "0.6.2"
 MCORE_VERSION = "0.19.2"
 INSTALL_HINT = (
     "the recipe tier needs Python 3.12 with megatron-bridge==0.6.2 and megatron-core==0.19.2 installed: "
-    "run `.ci/venv312.sh .venv312` and `.venv312/bin/python -m pytest tests/recipes` (make test-recipes)"
+    "run `.ci/venv312.sh .venv312` and `.venv312/bin/python -m pytest tests/unit/recipes tests/distributed/recipes` (make test-recipes)"
 )
 #: commit hash laid into ``refs/main`` for a recipe that names no revision (any 40-hex string will do)
 MAIN_REVISION = "0" * 40
@@ -82,7 +82,7 @@ MAIN_REVISION = "0" * 40
 class Recipe:
     """One Bridge 0.6.2 PEFT recipe and the model it reads from the hub."""
 
-    name: str  # the folder of its config.json under tests/recipes/data
+    name: str  # the folder of its config.json under tests/distributed/recipes/data
     module: str
     function: str
     hub_id: str

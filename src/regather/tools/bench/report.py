@@ -236,7 +236,7 @@ def markdown(summary: dict) -> str:
         head, *body = canonical_lines(summary)
         lines += ["", head, ""] + [f"- {line.strip()}" for line in body] + [
             "", "On the gather path regather's CanonicalLoRA keeps exactly the bytes of Bridge's (counted by",
-            "storage in tests/megatron/bridge/test_bridge_canonical.py); regather and lowrank keep one x_local per",
+            "storage in tests/distributed/megatron/bridge/test_bridge_canonical.py); regather and lowrank keep one x_local per",
             "fused linear, shared by its adapters; with recompute, the norm's input, which the norm keeps anyway."]
     timed = [(n, r) for n, r in ordered(summary) if "median_recompute_time" in r]
     if timed:

@@ -224,7 +224,7 @@ def canonical_inputs(rows: dict, spec: BenchSpec) -> dict:
     """What the q/k/v and gate/up adapters keep for LoRA-A, per strategy (measured: the
     ``adapter_input:linear_qkv`` / ``…:linear_fc1`` bytes), beside Megatron Bridge's
     ``CanonicalLoRA``, whose every such adapter gathers and keeps its own ``x_full = s*b*h``
-    (on the gather path regather keeps exactly Bridge's bytes: tests/megatron/bridge/test_bridge_canonical.py)."""
+    (on the gather path regather keeps exactly Bridge's bytes: tests/distributed/megatron/bridge/test_bridge_canonical.py)."""
     from regather.core.accounting import ADAPTER_INPUT
 
     elt = 2 if spec.dtype == "bfloat16" else 4

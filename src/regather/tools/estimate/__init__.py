@@ -1,7 +1,7 @@
 """``regather estimate``: LoRA-A input memory and extra communication, analytically.
 
 Same definitions as ``regather bench`` (docs/design.md §7), so the two agree byte
-for byte on the configurations bench can run (``tests/tools/test_bench.py``,
+for byte on the configurations bench can run (``tests/distributed/tools/test_bench.py``,
 every strategy and ``-recompute`` variant, frozen and grad-requiring decoder input):
 
 - **adapter-input bytes** — what the LoRA-A weights keep for their gradient, per GPU, summed

@@ -49,7 +49,7 @@ lowrank           per column adapter a rank-r all-gather ``N*r*e*f`` (forward) a
 ================= ===============================================================================
 
 Recomputing sends nothing. Agrees byte for byte with ``regather bench --torchtitan``
-(``tests/tools/test_bench_titan.py``).
+(``tests/distributed/tools/test_bench_titan.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Tests that spawn gloo ranks (a package, like tests/: this folder never becomes a sys.path entry, see tests/__init__.py)."""
