@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from regather.core import mappings
-from regather.core.strategies.path import LoraAPath
 from regather.core.strategies.wgrad import linear
 
 
@@ -31,8 +30,3 @@ def gather_linear_a(x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bo
     """``all_gather(x_local) @ weight^T`` over sequence dim ``dim`` (reduce-scatter in backward)."""
     x_full = mappings.gather_seq(x_local, group, dim)
     return linear(x_full, weight, fuse)
-
-
-GATHER = LoraAPath("gather", saves="x_full [s, b, h]", sends="forward: all-gather x; backward: reduce-scatter dX",
-                   recomputes=False,
-                   fn=lambda x, weight, args: gather_linear_a(x, weight, args.group, args.fuse, args.seq_dim))

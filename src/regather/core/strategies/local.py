@@ -27,22 +27,15 @@ backward all-reduce.
 from __future__ import annotations
 
 from regather.core import mappings
-from regather.core.strategies.path import LoraAPath
 from regather.core.strategies.wgrad import linear
 
 
-def _row(x, weight, args):
+def local_linear_a(x, weight, args):
+    """``row`` and ``dispatched``: ``x A^T`` on the input as it is (per-expert row blocks with
+    ``args.splits``), saved through ``args.source``."""
     return linear(x, weight, args.fuse, args.source, args.splits)
 
 
-def _replicated(x, weight, args):
+def replicated_linear_a(x, weight, args):
+    """``replicated``: ``x A_i^T``; backward all-reduces ``dX`` over TP (a copy to the group)."""
     return linear(mappings.copy_to_group(x, args.group), weight, args.fuse)
-
-
-ROW = LoraAPath("row", saves="x_i [s, b, h/t] (or what its producer keeps)", sends="none",
-                recomputes=True, fn=_row)
-DISPATCHED = LoraAPath("dispatched", saves="x [n, h] (the dispatched tokens)",
-                       sends="none (dX is reduced over expert TP by the dispatcher, with the base's)",
-                       recomputes=False, fn=_row)
-REPLICATED = LoraAPath("replicated", saves="x [s, b, h]", sends="backward: all-reduce dX",
-                       recomputes=False, fn=_replicated)

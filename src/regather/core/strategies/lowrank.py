@@ -54,7 +54,6 @@ import torch
 
 from regather.core import comm
 from regather.core.recompute.sources import KEEP
-from regather.core.strategies.path import LoraAPath
 from regather.core.strategies.wgrad import main_grad_placeholder, weight_grad
 
 GRAD_ALLREDUCE_BACKWARD = "backward"
@@ -183,14 +182,7 @@ def replicated_shard(weight, rank: int, t: int, group, fuse: bool, reduce_dA: bo
     rows = shard_rows(weight.shape[0], rank, t)
     return ReplicatedShard.apply(weight, rows, group, fuse and torch.is_grad_enabled(), reduce_dA)
 
-
 def replicated_copy(weight, group, fuse: bool):
     """``weight`` (the same on every rank of ``group``) with its gradient summed over ``group``."""
     return ReplicatedShard.apply(weight, slice(None), group, fuse and torch.is_grad_enabled(), True)
 
-
-LOWRANK = LoraAPath(
-    "lowrank", saves="x_local [s/t, b, h] (or what its producer keeps)",
-    sends="forward: all-gather mid (r wide); backward: reduce-scatter dmid, all-reduce dA (r x h)", recomputes=True,
-    fn=lambda x, weight, args: lowrank_linear_a(x, weight, args.group, args.fuse, args.reduce_dA, args.source,
-                                                args.seq_dim))

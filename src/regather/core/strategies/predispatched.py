@@ -40,7 +40,6 @@ from typing import Protocol
 import torch
 
 from regather.core import comm
-from regather.core.strategies.path import LoraAPath
 from regather.core.strategies.wgrad import linear, main_grad_placeholder
 
 
@@ -72,26 +71,26 @@ class Route(Protocol):
         ...
 
 
-class PreDispatchedInput(Protocol):
-    """The source a pre-dispatched path reads (:class:`regather.megatron.moe.inputs.PreDispatched`)."""
+class PreDispatched:
+    """A shared LoRA-A's input, the source this path reads (made by a front end's producer,
+    :class:`regather.megatron.moe.inputs.ExpertInputProducer`): the layer's input ``x_local``
+    ``[T, h]`` (with its history, so ``dx`` reaches it), the source of what ``dA`` reads (a
+    Recomputed of the router's kept tensor), and the route the rank-``r`` output takes. Its type
+    selects this path (:func:`regather.core.strategies.paths.lookup`)."""
 
-    x_local: torch.Tensor  # the tokens before the dispatch [T, h], with their autograd history
-    kept: object  # the source dA reads x from (a Recomputed of what the router keeps)
-    route: Route
+    name = "predispatched"
+    __slots__ = ("kept", "route", "x_local")
+
+    def __init__(self, x_local: torch.Tensor, kept, route: Route):
+        self.x_local, self.kept, self.route = x_local, kept, route
 
 
-def _predispatched(x, weight, args):
-    src: PreDispatchedInput = args.source
+def predispatched_linear_a(x, weight, args):
+    """``D(x_local A^T)``: LoRA-A before the dispatch, its rank-``r`` output sent along the route."""
+    src: PreDispatched = args.source
     if comm.world_size(args.group) > 1:
         a_full = GatherRows.apply(weight, args.group, args.fuse and torch.is_grad_enabled())
         mid_local = linear(src.x_local, a_full, False, src.kept)
     else:
         mid_local = linear(src.x_local, weight, args.fuse, src.kept)
     return src.route.send(mid_local)
-
-
-PREDISPATCHED = LoraAPath(
-    "predispatched", saves="nothing new: the router's input [T, h] (which the router keeps)",
-    sends="forward: r more columns on the tokens' dispatch; backward: the same on its reverse, "
-          "reduce-scatter dA over expert TP",
-    recomputes=True, fn=_predispatched)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import torch
 
-from regather.core.strategies.path import LoraAPath
 from regather.core.strategies.wgrad import linear
 
 
@@ -40,10 +39,3 @@ def pregathered_linear_a(x_full: torch.Tensor, weight: torch.Tensor, fuse: bool)
     return linear(x_full, weight, fuse)
 
 
-def _pregathered(x, weight, args):
-    return pregathered_linear_a(x if args.x_full is None else args.x_full, weight, args.fuse)
-
-
-# the caller's gather (TE's, or LoRALinear's shared one) sends; this path adds nothing
-PREGATHERED = LoraAPath("pregathered", saves="x_full [s, b, h]", sends="none (the base layer's gather)",
-                        recomputes=False, fn=_pregathered)

@@ -80,7 +80,6 @@ import torch
 from regather.core import comm
 from regather.core.buffers import ScratchPool, default_pool
 from regather.core.recompute.sources import KEEP
-from regather.core.strategies.path import LoraAPath
 from regather.core.strategies.shared_gather import BACKWARD_SCRATCH, FORWARD_SCRATCH, SharedGather, full_shape
 from regather.core.strategies.wgrad import weight_grad
 
@@ -321,16 +320,3 @@ def regather_shared_linear_a(
 ) -> torch.Tensor:
     return RegatherSharedLinearA.apply(x_full, x_local, weight, group, fuse, pool or default_pool(), slot,
                                        source, dim)
-
-
-REGATHER = LoraAPath(
-    "regather", saves="x_local [s/t, b, h] (or what its producer keeps)",
-    sends="forward: all-gather x (scratch); backward: all-gather x again, reduce-scatter dX", recomputes=True,
-    fn=lambda x, weight, args: regather_linear_a(x, weight, args.group, args.fuse, args.pool, args.slot, args.source,
-                                                 args.share, args.seq_dim))
-REGATHER_SHARED = LoraAPath(
-    "regather-shared", saves="x_local [s/t, b, h] (or what its producer keeps)",
-    sends="backward: all-gather x again (forward gather and dX reduce-scatter shared with the base)",
-    recomputes=True,
-    fn=lambda x, weight, args: regather_shared_linear_a(args.x_full, x, weight, args.group, args.fuse, args.pool,
-                                                        args.slot, args.source, args.seq_dim))

@@ -57,6 +57,7 @@ from regather.core.decision import Reason
 from regather.core.recompute.graph import Meta, global_hooks_reason, kept_between
 from regather.core.recompute.sources import Kept, Recomputed
 from regather.core.recompute.verify import mismatch
+from regather.core.strategies.predispatched import PreDispatched
 from regather.megatron.moe import dispatch
 from regather.megatron.reasons import (
     CPU_OFFLOADING,
@@ -198,18 +199,6 @@ class Redispatched:
 
     def handle(self) -> Redispatched:
         return Redispatched(self.fwd, self.rows_slice, None)
-
-
-class PreDispatched:
-    """A shared LoRA-A's input, for :mod:`regather.core.strategies.predispatched`: the layer's input
-    ``x`` (with its history, so ``dx`` reaches it), the source of what ``dA`` reads (the router's
-    kept tensor), and the route the rank-``r`` output takes."""
-
-    name = "predispatched"
-    __slots__ = ("kept", "route", "x_local")
-
-    def __init__(self, x_local: torch.Tensor, kept, route):
-        self.x_local, self.kept, self.route = x_local, kept, route
 
 
 class _RouterKept:

@@ -1,4 +1,7 @@
-"""What an adapter does on a forward, and why: its strategy, and whether its input is rebuilt.
+"""What an adapter does on a forward, and why: its strategy, its LoRA-A path, and whether its
+input is rebuilt. The decision half of the adapter: everything it reads from the module is named
+by :class:`~regather.megatron.dense.adapter.contract.AdapterModule`; it calls nothing of the
+forward half.
 
 Every forward re-evaluates :func:`regather.megatron.dense.eligibility.unsupported_reason`
 (a mode change — ``eval()``, ``no_grad``, activation recompute — takes effect at once): when the
@@ -20,11 +23,12 @@ import torch
 
 from regather.core import fallback_log
 from regather.core.decision import Decision, level_of, surprising, with_detail
+from regather.core.plan import Plan
 from regather.core.recompute.graph import reason_now
 from regather.core.recompute.sources import KEEP, Kept, Recomputed
 from regather.core.recompute.verify import first_rebuild
 from regather.core.strategies import Strategy
-from regather.core.strategies.paths import lookup
+from regather.core.strategies.paths import DISPATCHED, LoraAPath, lookup
 from regather.megatron.dense.eligibility import RunState, checkpointed_by_config, run_state, unsupported_reason
 from regather.megatron.reasons import EXPERT_INPUT_KEPT, IN_CHECKPOINT, kept_as_is
 
@@ -83,13 +87,18 @@ class AdapterDecisions:
             return replace(decision, recompute_reason=with_detail(self._last_capture_reason, "in the last forward"))
         return replace(decision, recompute=self.producer.name)
 
+    def path_for(self, used: Strategy, shared: bool = False, gathered: bool = False, source=None) -> LoraAPath:
+        """The LoRA-A path of a forward that uses ``used`` on this adapter's layout (the arguments
+        of :func:`regather.core.strategies.paths.lookup` the module does not know itself)."""
+        return lookup(used, column=self.column_parallel, sequence_parallel=self.sequence_parallel, shared=shared,
+                      gathered=gathered, explicit_comm=self.dispatched, source=source)
+
     def _recompute_unsupported(self, decision: Decision, state: RunState) -> str | None:
-        path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel,
-                      explicit_comm=self.dispatched)
-        if path.name == "dispatched" and (self.producer is None or not self.facts.is_expert):
+        path = self.path_for(decision.used)
+        if path is DISPATCHED and (self.producer is None or not self.facts.is_expert):
             # expert fc1: from the router's input (regather.megatron.moe.inputs), when a producer was found
             return (self.producer_reason if self.facts.is_expert else None) or EXPERT_INPUT_KEPT
-        if not path.recomputes and path.name != "dispatched":
+        if not path.recomputes and path is not DISPATCHED:
             return kept_as_is(path.name)
         if state.in_recompute:
             return IN_CHECKPOINT
@@ -103,22 +112,24 @@ class AdapterDecisions:
             return IN_CHECKPOINT
         return reason_now(self.producer)
 
-    def input_source(self, x: torch.Tensor, plan):
-        """KEEP, or a Recomputed source when this forward's producer checks pass (updates the
-        plan's decision with the outcome)."""
-        decision = plan.decision
-        if decision.recompute is None:
-            self._log_recompute(decision)
-            return KEEP
-        captured = self.producer.capture(x)
-        self._last_capture_reason = captured.reason if isinstance(captured, Kept) else None
-        if isinstance(captured, Recomputed) and not self._recompute_verified:
-            captured = self._verify_recompute(x, captured)
-        if isinstance(captured, Kept):
-            plan.decision = self.last_decision = replace(decision, recompute=None, recompute_reason=captured.reason)
-            self._log_recompute(plan.decision)
-            return KEEP
-        return captured  # Recomputed, or a ready source (expert inputs, verified per MoE layer)
+    def with_input(self, plan: Plan, x: torch.Tensor, shared: bool = False, gathered: bool = False) -> Plan:
+        """``plan`` completed with what only this forward's LoRA-A input can tell: where ``dA``'s
+        input comes from (kept, or this forward's producer, checked), the decision's outcome and
+        the path that runs. The input exists only here: under Transformer Engine it is the
+        LayerNorm output the base returns (:mod:`regather.megatron.dense.te`)."""
+        decision, source = plan.decision, KEEP
+        if decision.recompute is not None:
+            captured = self.producer.capture(x)
+            self._last_capture_reason = captured.reason if isinstance(captured, Kept) else None
+            if isinstance(captured, Recomputed) and not self._recompute_verified:
+                captured = self._verify_recompute(x, captured)
+            if isinstance(captured, Kept):
+                decision = self.last_decision = replace(decision, recompute=None, recompute_reason=captured.reason)
+            else:
+                source = captured  # Recomputed, or a ready source (expert inputs, verified per MoE layer)
+        self._log_recompute(decision)
+        path = self.path_for(decision.used, shared=shared, gathered=gathered, source=source)
+        return replace(plan, decision=decision, source=source, path=path)
 
     def _verify_recompute(self, x: torch.Tensor, captured: Recomputed) -> Kept | Recomputed:
         """First recompute of this adapter: bit-identical to the forward's input, or switched off."""

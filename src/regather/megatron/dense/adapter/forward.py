@@ -30,8 +30,7 @@ from regather.core.buffers import default_pool
 from regather.core.plan import Plan
 from regather.core.strategies import Strategy
 from regather.core.strategies.lowrank import replicated_shard
-from regather.core.strategies.paths import PathArgs, lookup
-from regather.core.strategies.predispatched import PREDISPATCHED
+from regather.core.strategies.paths import LOWRANK, PREDISPATCHED, PathArgs
 from regather.core.strategies.regather import anchor, new_slot
 from regather.core.strategies.shared_gather import SharedGather
 from regather.core.strategies.wgrad import linear
@@ -79,12 +78,6 @@ class AdapterForward:
                 f"LoRA adapter on {self.facts.base_name!r}: input shape {tuple(x.shape)} does not end "
                 f"in {self.in_features_local} features"
             )
-
-    @property
-    def dispatched(self) -> bool:
-        """The base's caller does its TP communication (MoE experts at any EP x ETP, shared experts
-        with overlap): no collective on the input, a partial output for a row-parallel base."""
-        return self.facts.explicit_comm or self.facts.is_expert
 
     @property
     def in_features_local(self) -> int:
@@ -148,30 +141,25 @@ class AdapterForward:
             raise ValueError(f"LoRA adapter on {self.facts.base_name!r}: input_gathered=True needs a "
                              f"column-parallel base with sequence parallelism on the gather path "
                              f"(this forward uses {decision.used.value})")
-        source = self.input_source(x, plan)  # before dropout: x is the producer's output
-        decision = plan.decision
+        # the plan completed with this input (before dropout: x is the producer's output); from here
+        # on the forward only executes it
+        plan = self.with_input(plan, x, shared=x_full is not None, gathered=input_gathered)
+        decision, source, path = plan.decision, plan.source, plan.path
         if self.dropout is not None and self.dropout_position == "pre":
             x = self.dropout(x)
         group, fuse = self.tp_group, self.gradient_accumulation_fusion
         a, b = self.weights_for_forward(fuse)
-        lowrank = self.column_parallel and self.sequence_parallel and decision.used == Strategy.LOWRANK
-        if self.replicated_a and not lowrank:  # fallback: this rank's rows, grads completed over TP
+        if self.replicated_a and path is not LOWRANK:  # fallback: this rank's rows, grads completed over TP
             a = replicated_shard(a, self.tp_rank, self.tp_size, group, fuse, self.lowrank_reduce_in_backward)
-        explicit = self.dispatched
-        path = lookup(decision.used, column=self.column_parallel, sequence_parallel=self.sequence_parallel,
-                      shared=x_full is not None, gathered=input_gathered, explicit_comm=explicit)
-        # a shared expert LoRA-A on the MoE layer's input, its output sent along the tokens' route:
-        # mid arrives complete over expert TP (the route gathers it and sums dmid)
-        predispatched = source.name == PREDISPATCHED.name
-        if predispatched:
-            path = PREDISPATCHED
         splits = self.row_blocks(x, m_splits)
         args = PathArgs(group=group, fuse=fuse, pool=self.pool or default_pool(), slot=slot, source=source,
                         x_full=x_full, reduce_dA=self.lowrank_reduce_in_backward, share=plan.share, splits=splits)
         # what LoRA-A saves is counted apart, per base layer (accounting.SavedBytes.of)
         with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.facts.base_name}"):
             mid = path(x, a, args)
-        complete = lowrank or predispatched  # mid is [.., r] and its route's backward sums dmid over TP
+        # lowrank gathers mid over the sequence; a shared expert LoRA-A before the dispatch sends it
+        # along the tokens' route: either way mid is [.., r] and its route's backward sums dmid over TP
+        complete = path in (LOWRANK, PREDISPATCHED)
         if self.column_parallel and not complete:
             mid = mappings.gather_last_dim(mid, group)
         elif not self.column_parallel:
@@ -182,7 +170,7 @@ class AdapterForward:
         if not complete:
             mid = mappings.copy_to_group(mid, group)
         out = linear(mid, b, fuse, splits=splits)
-        if not self.column_parallel and explicit:  # the caller sums the base's partial outputs
+        if not self.column_parallel and self.dispatched:  # the caller sums the base's partial outputs
             out = partial_output(out, self.tp_rank, self.tp_size)
         elif not self.column_parallel:
             out = mappings.gather_last_dim(out, group)

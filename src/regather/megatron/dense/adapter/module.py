@@ -164,6 +164,12 @@ class ParallelLinearAdapter(AdapterDecisions, AdapterForward, nn.Module):
             # the full master weight the sharded layouts slice: every strategy starts identical
             self.linear_in.weight = nn.Parameter(a.contiguous())
 
+    @property
+    def dispatched(self) -> bool:
+        """The base's caller does its TP communication (MoE experts at any EP x ETP, shared experts
+        with overlap): no collective on the input, a partial output for a row-parallel base."""
+        return self.facts.explicit_comm or self.facts.is_expert
+
     # -- LoRA-A layout -------------------------------------------------------------
     def _wants_replicated(self, strategy: Strategy) -> bool:
         """lowrank's replicated LoRA-A; experts never run lowrank, so they keep the shards."""
