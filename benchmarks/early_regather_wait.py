@@ -4,7 +4,7 @@ Runs a megatron-core GPT with LoRA (regather on linear_qkv/linear_fc1) twice in 
 process per rank — plain regather (gather issued in LoRA-A's backward, waited after its
 dgrad) and early re-gather (issued when the adapter's output gradient arrives, dA after
 the base dgrad) — alternating steps, and reports per step the seconds backward spent
-blocked in ``wait()`` on the gather (``regather.core.strategies.regather.WAIT_CLOCK``), the
+blocked in ``wait()`` on the gather (``regather.tools.bench.clocks.regather_waits``), the
 gathers' own duration measured alone, and step times. Medians over the measured steps.
 
     .venv/bin/python benchmarks/early_regather_wait.py --hidden 512 --ffn 2048 --seq 1024
@@ -25,8 +25,8 @@ def _rank(rank, t, args):
 
     from regather import LoRA
     from regather.core.comm import all_gather_seq
-    from regather.core.strategies import regather as rg
     from regather.testing.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
+    from regather.tools.bench.clocks import regather_waits
 
     shape = TinyGPT(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                     ffn_hidden_size=args.ffn, vocab_size=args.vocab, seq_length=args.seq)
@@ -40,20 +40,20 @@ def _rank(rank, t, args):
     batch = gpt_batch(shape, args.micro_batch)
     stats = {n: {"wait": [], "step": []} for n in models}
     n_waits = 0
-    rg.WAIT_CLOCK.enabled = True
-    for step in range(args.warmup + args.steps):
-        order = list(models.items())
-        for name, m in (order if step % 2 else order[::-1]):  # alternate who goes first
-            dist.barrier()
-            rg.WAIT_CLOCK.reset()
-            t0 = time.perf_counter()
-            gpt_loss(m, batch).backward()
-            dt = time.perf_counter() - t0
-            if step >= args.warmup:
-                stats[name]["wait"].append(rg.WAIT_CLOCK.seconds)
-                stats[name]["step"].append(dt)
-            if name == "early":
-                n_waits = rg.WAIT_CLOCK.calls
+    with regather_waits() as clock:
+        for step in range(args.warmup + args.steps):
+            order = list(models.items())
+            for name, m in (order if step % 2 else order[::-1]):  # alternate who goes first
+                dist.barrier()
+                clock.reset()
+                t0 = time.perf_counter()
+                gpt_loss(m, batch).backward()
+                dt = time.perf_counter() - t0
+                if step >= args.warmup:
+                    stats[name]["wait"].append(clock.seconds)
+                    stats[name]["step"].append(dt)
+                if name == "early":
+                    n_waits = clock.calls
     # the gathers alone: same count and size, nothing to overlap with
     x = torch.randn(args.seq // t, args.micro_batch, args.hidden)
     alone = []

@@ -73,8 +73,6 @@ holds the recomputed shard only until ``dA`` has read the gathered copy.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from regather.core import comm
@@ -82,28 +80,6 @@ from regather.core.buffers import ScratchPool, default_pool
 from regather.core.recompute.sources import KEEP
 from regather.core.strategies.shared_gather import BACKWARD_SCRATCH, FORWARD_SCRATCH, SharedGather, full_shape
 from regather.core.strategies.wgrad import weight_grad
-
-
-class WaitClock:
-    """Seconds the backward spent blocked in ``wait()`` on the x re-gather (for measuring)."""
-
-    def __init__(self):
-        self.enabled, self.seconds, self.calls = False, 0.0, 0
-
-    def wait(self, pending):
-        if not self.enabled:
-            return pending.wait()
-        t0 = time.perf_counter()
-        out = pending.wait()
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-        return out
-
-    def reset(self):
-        self.seconds, self.calls = 0.0, 0
-
-
-WAIT_CLOCK = WaitClock()
 
 
 class RegatherSlot:
@@ -126,6 +102,10 @@ class RegatherSlot:
         "weight",
         "x_local",
     )
+    #: What backward waits on the re-gather through: None (``pending.wait()``), or an observer
+    #: whose ``wait(pending)`` returns ``pending.wait()`` and measures it. Set only by a measuring
+    #: tool for the span it measures (``regather.tools.bench.clocks.regather_waits``).
+    observer = None
 
     def __init__(self, group, pool: ScratchPool, early: bool, defer: bool, share: SharedGather | None = None,
                  dim: int = 0):
@@ -168,11 +148,11 @@ class RegatherSlot:
         """Wait for the gather, ``dA = dmid^T x_full``, release the scratch buffer."""
         self.start_gather()
         if self.share is not None:
-            grad_w = weight_grad(weight, grad_mid, self.share.wait(WAIT_CLOCK), fuse)
+            grad_w = weight_grad(weight, grad_mid, self.share.wait(self.observer), fuse)
             self.share.done()
             self.pending = None
             return grad_w
-        x_full = WAIT_CLOCK.wait(self.pending)
+        x_full = self.pending.wait() if self.observer is None else self.observer.wait(self.pending)
         grad_w = weight_grad(weight, grad_mid, x_full, fuse)
         self.lease.release()  # the GEMM above was the last reader
         self.lease = self.pending = self.x_local = None

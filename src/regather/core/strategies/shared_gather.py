@@ -95,10 +95,11 @@ class SharedGather:
         self._lease = self.pool.acquire(BACKWARD_SCRATCH, full_shape(x, t, self.dim), x.dtype, x.device)
         self._pending = comm.all_gather_seq(x, self.group, out=self._lease.tensor, async_op=True, dim=self.dim)
 
-    def wait(self, clock):
-        """The gathered input (waits once)."""
+    def wait(self, observer=None):
+        """The gathered input (waits once; through ``observer.wait(pending)`` when one is given,
+        :attr:`regather.core.strategies.regather.RegatherSlot.observer`)."""
         if self._full is None:
-            self._full = clock.wait(self._pending)
+            self._full = self._pending.wait() if observer is None else observer.wait(self._pending)
             self._pending = self._x = None
         return self._full
 

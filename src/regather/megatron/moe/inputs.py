@@ -46,7 +46,6 @@ recompute of ``moe``, "pre" dropout, a router whose input needs no gradient (it 
 
 from __future__ import annotations
 
-import time
 import weakref
 
 import torch
@@ -115,10 +114,16 @@ class MoEForward:
     """One forward of one MoE layer: its route, the router's kept input, the dispatched tokens;
     in backward, the re-dispatched tokens its per-expert adapters share."""
 
+    #: What backward's re-dispatches are seen through: None, or an observer with ``started()``
+    #: (a token, taken when a re-dispatch is sent) and ``wait(pending, token, counts)`` (returns
+    #: ``pending.wait()``, adding what it measured to the layer's ``counts``). Set only by a
+    #: measuring tool for the span it measures (``regather.tools.bench.clocks.redispatch_times``).
+    observer = None
+
     def __init__(self, route, x_live: torch.Tensor, kept: torch.Tensor, dispatched: torch.Tensor,
                  counts: dict | None = None):
         self.route = route
-        # the layer's re-dispatches by when they started, and the seconds backward waited for them
+        # the layer's re-dispatches by when they started (and what an observer measured of them)
         self.counts = counts if counts is not None else {}
         self.x_live = x_live  # the layer input [T, h] with its autograd history (shared A)
         self.kept = kept  # the router's saved tensor viewed as [T, h] (no history)
@@ -128,7 +133,7 @@ class MoEForward:
         self.consumers = 0  # adapters that read re-dispatched rows in backward
         self._left = 0
         self._resend = None
-        self._started = 0.0
+        self._started = None  # the observer's token for the re-dispatch in flight
         self._rows: torch.Tensor | None = None
 
     def rows_of(self, x: torch.Tensor) -> slice | str:
@@ -155,7 +160,7 @@ class MoEForward:
     def start(self, *_):
         """Send the router's input along the route again (the experts' output gradient arrived)."""
         if self._resend is None and self._rows is None and self.kept is not None and self.consumers:
-            self._started = time.perf_counter()
+            self._started = None if self.observer is None else self.observer.started()
             self._resend = self.route.start(self.kept)
             self._left = self.consumers
             self.counts["early"] = self.counts.get("early", 0) + 1
@@ -163,15 +168,13 @@ class MoEForward:
     def rows(self, kept: torch.Tensor, rows: slice) -> torch.Tensor:
         if self._rows is None:
             if self._resend is None:  # the experts' output gradient hook did not run (e.g. no consumer then)
-                self._started = time.perf_counter()
+                self._started = None if self.observer is None else self.observer.started()
                 self._resend = self.route.start(kept)
                 self._left = self.consumers
                 self.counts["late"] = self.counts.get("late", 0) + 1
-            t0 = time.perf_counter()
-            self._rows, self._resend = self._resend.wait(), None
-            t1 = time.perf_counter()
-            self.counts["wait_s"] = self.counts.get("wait_s", 0.0) + t1 - t0  # backward blocked
-            self.counts["flight_s"] = self.counts.get("flight_s", 0.0) + t1 - self._started  # start to rows
+            pending, self._resend = self._resend, None
+            self._rows = pending.wait() if self.observer is None else self.observer.wait(pending, self._started,
+                                                                                          self.counts)
         out = self._rows[rows]
         self._left -= 1
         if self._left <= 0:  # every adapter of this forward has its rows: free the tokens
@@ -223,9 +226,8 @@ class ExpertInputs:
         self.current: MoEForward | None = None
         self.reason: str | None = None  # why this forward has no MoEForward
         # re-dispatches in backward: "early" (started when the experts' output gradient arrived,
-        # overlapping their backward) or "late" (started by the first adapter that needed them), and
-        # "wait_s": the seconds the adapters' backward waited for them to arrive, "flight_s": from their
-        # start to their arrival (the part of it not waited for overlapped the experts' backward)
+        # overlapping their backward) or "late" (started by the first adapter that needed them); under
+        # the bench's clock also "wait_s" / "flight_s" (regather.tools.bench.clocks.redispatch_times)
         self.resends: dict = {}
         self._clear()
         moe.register_forward_pre_hook(self._layer_input, prepend=True)

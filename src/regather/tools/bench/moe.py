@@ -136,11 +136,13 @@ def moe_rank(rank: int, world_size: int, spec: MoEBenchSpec) -> dict:
     import logging
 
     from regather.testing.moe_train import compare_moe
+    from regather.tools.bench.clocks import redispatch_times
 
     logging.getLogger("regather").setLevel(logging.ERROR)  # expected fallbacks are in the report
     progress = progress_printer(rank, spec.strategies, spec.steps, spec.quiet)
-    results = compare_moe(rank, world_size, spec.run_config(), list(spec.strategies),
-                          parity_pairs(spec.strategies), progress=progress)
+    with redispatch_times():  # wait_s / flight_s in each layer's re-dispatch counts
+        results = compare_moe(rank, world_size, spec.run_config(), list(spec.strategies),
+                              parity_pairs(spec.strategies), progress=progress)
     if rank != 0:  # decisions are the same on every rank: rank 0's enter the report
         for res in results.values():
             res.pop("decisions", None)
