@@ -16,6 +16,7 @@ import torch
 
 from regather.core.decision import expected
 from regather.core.moment import RunState, in_activation_checkpoint, moment_reason
+from regather.megatron import compat
 from regather.megatron.reasons import CPU_OFFLOADING, ELIGIBLE_BASES, EXPERT_REASON, IN_CHECKPOINT
 
 __all__ = ["EXPERT_REASON", "IN_CHECKPOINT", "AdapterFacts", "RunState", "checkpointed_by_config",
@@ -46,13 +47,7 @@ def in_activation_recompute() -> bool:
     adapter takes the gather path in both passes instead of failing with a CheckpointError in
     backward.
     """
-    if in_activation_checkpoint():
-        return True
-    try:
-        from megatron.core.tensor_parallel.random import is_checkpointing
-    except ImportError:  # megatron-core is optional for the unit-level API
-        return False
-    return bool(is_checkpointing())
+    return in_activation_checkpoint() or compat.is_checkpointing()
 
 
 def run_state(module: torch.nn.Module, lora_a: torch.Tensor) -> RunState:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from regather.megatron import compat
 from regather.megatron.dense import te
 
 
@@ -38,7 +39,7 @@ def tp_group_of(module: nn.Module):
     """The TP group the linear's weights are split over, if it records one: megatron's TE
     wrappers keep it as ``_tp_group`` (TE's own ``tp_group`` is None once megatron hid expert TP
     from TE)."""
-    group = getattr(module, "_tp_group", None)
+    group = compat.private(module, compat.TE_TP_GROUP)
     return group if group is not None else getattr(module, "tp_group", None)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from regather.core import mappings
+from regather.megatron import compat
 from regather.megatron.dense import checkpoint, te
 from regather.megatron.dense.adapter import ParallelLinearAdapter
 
@@ -101,10 +102,6 @@ class LoRALinear(nn.Module):
         """
         base = self.to_wrap
         x_full = mappings.gather_seq(x, base.tp_group)
-        saved = base.sequence_parallel, base.allreduce_dgrad, base.disable_grad_reduce
-        base.sequence_parallel, base.allreduce_dgrad, base.disable_grad_reduce = False, False, True
-        try:  # input used as is, no dgrad reduction: the shared gather's backward does it
+        with compat.local_input(base):  # input used as is, no dgrad reduction: the shared gather's backward does it
             out, bias = base(x_full, *args, **kwargs)
-        finally:
-            base.sequence_parallel, base.allreduce_dgrad, base.disable_grad_reduce = saved
         return out + self.adapter(x, plan=plan, x_full=x_full), bias

@@ -39,6 +39,8 @@ import re
 import torch
 from torch import nn
 
+from regather.megatron import compat
+
 GROUPED_CLASSES = ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear", "TEGroupedLinear")
 _EXPERT_NAME = re.compile(r".*mlp\..*experts.*\.linear_fc[1-2]$")  # Bridge's is_expert_linear
 
@@ -66,7 +68,7 @@ def grouped_sizes(module: nn.Module, column: bool, t: int) -> tuple[int, int]:
 
 def ep_group_of(module: nn.Module):
     """The expert-parallel group of a grouped linear (its process-group collection)."""
-    pgs = getattr(module, "_pg_collection", None)
+    pgs = compat.private(module, compat.PG_COLLECTION)
     if pgs is not None and getattr(pgs, "ep", None) is not None:
         return pgs.ep
     from megatron.core import parallel_state

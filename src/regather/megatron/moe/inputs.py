@@ -57,6 +57,7 @@ from regather.core.recompute.graph import Meta, global_hooks_reason, kept_betwee
 from regather.core.recompute.sources import Kept, Recomputed
 from regather.core.recompute.verify import mismatch
 from regather.core.strategies.predispatched import PreDispatched
+from regather.megatron import compat
 from regather.megatron.moe import dispatch
 from regather.megatron.reasons import (
     CPU_OFFLOADING,
@@ -93,7 +94,7 @@ def static_reason(moe: nn.Module) -> str | None:
         return "the experts' fc1 input is offloaded (fine-grained activation offloading of 'expert_fc1')"
     if getattr(cfg, "cpu_offloading", False) and getattr(cfg, "cpu_offloading_activations", True):
         return CPU_OFFLOADING
-    if getattr(experts, "_with_fused_impl", False):
+    if compat.private(experts, compat.FUSED_GROUPED_MLP, False):
         return "TE's fused grouped MLP runs linear_fc1 inside one op"
     return None
 

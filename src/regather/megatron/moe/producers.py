@@ -33,6 +33,7 @@ import sys
 import torch
 from torch import nn
 
+from regather.megatron import compat
 from regather.megatron.dense.producers import ActivationProducer, own_forward, scaled_activation
 from regather.megatron.moe.inputs import expert_producer
 from regather.megatron.reasons import MOE_ACT_RECOMPUTED
@@ -60,7 +61,7 @@ class GroupedActivationProducer(ActivationProducer):
             return MOE_ACT_RECOMPUTED
         if getattr(experts, "offload_moe_act", False):
             return "the experts' activation is offloaded (fine-grained activation offloading of 'moe_act')"
-        if getattr(experts, "_with_fused_impl", False):
+        if compat.private(experts, compat.FUSED_GROUPED_MLP, False):
             return "TE's fused grouped MLP runs linear_fc1, the activation and linear_fc2 as one op"
         if getattr(cfg, "fp8", None) or getattr(cfg, "fp4", None):
             return "fp8 / fp4 pad each expert's tokens before linear_fc1"
