@@ -62,11 +62,11 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess witho
 
 from torch import nn
 
+from regather.megatron import lora
 from regather.megatron.dense.adapter import INIT_METHODS, ParallelLinearAdapter
 from regather.megatron.dense.linears import is_parallel_linear
 from regather.megatron.dense.model import finish_wrapping
 from regather.megatron.dense.wrapper import LoRALinear
-from regather.megatron.lora import LoRA as RegatherLoRA
 from regather.megatron.lora import attach_producers
 from regather.megatron.moe import experts
 
@@ -124,20 +124,20 @@ class LoRA(BridgeLoRA):
                                 f"string (it would be read as its characters); write {name}=[{value!r}]")
         self._regather_lora(validating=True)  # a bad regather field fails at construction
 
-    def regather_config(self) -> RegatherLoRA:
+    def regather_config(self) -> lora.LoRA:
         """The :class:`regather.LoRA` these fields describe (it builds the adapters of the megatron
         linears); an initialiser only plain ``nn.Linear`` adapters have is an error here."""
         return self._regather_lora(validating=False)
 
-    def _regather_lora(self, validating: bool) -> RegatherLoRA:
+    def _regather_lora(self, validating: bool) -> lora.LoRA:
         a_init = self.lora_A_init_method
         if a_init in PLAIN_LINEAR_ONLY_INITS:
             if not validating:
                 raise ValueError(_plain_only_init_message(a_init, "the megatron linears regather adapts"))
             # construction checks the other fields; the initialiser is refused where an adapter of a
             # megatron linear would use it (__call__ / transform), never silently replaced
-            a_init = RegatherLoRA.lora_A_init_method
-        return RegatherLoRA(
+            a_init = lora.LoRA.lora_A_init_method
+        return lora.LoRA(
             target_modules=list(self.target_modules or []),
             dim=self.dim,
             alpha=self.alpha,

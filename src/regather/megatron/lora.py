@@ -198,7 +198,8 @@ class LoRA:
             in_features, full_out = te.linear_sizes(base, column, t)
             weight = base.weight
         out_features = full_out if out_features is None else out_features
-        dim = experts.expert_dim(config, self.dim, self.normalize_moe_lora, column, t) if is_expert else self.dim
+        # the LoRA rank (Bridge's dim; an expert's under normalize_moe_lora)
+        rank = experts.expert_dim(config, self.dim, self.normalize_moe_lora, column, t) if is_expert else self.dim
         kwargs = dict(
             column_parallel=column,
             base_name=path.rsplit(".", 1)[-1],
@@ -221,13 +222,13 @@ class LoRA:
             device=weight.device,
         )
         if grouped and not self.share_expert_adapters:
-            adapter = GroupedExpertAdapter(in_features, out_features, dim, num_local_experts=base.num_gemms, **kwargs)
+            adapter = GroupedExpertAdapter(in_features, out_features, rank, num_local_experts=base.num_gemms, **kwargs)
         elif is_expert:  # a grouped linear's one adapter is declared in each local expert's slot (Bridge's keys)
-            adapter = ExpertAdapter(in_features, out_features, dim,
+            adapter = ExpertAdapter(in_features, out_features, rank,
                                     ep_group=experts.grouped_ep_group(base) if grouped else None,
                                     expert_slots=experts.expert_slots(base) if grouped else None, **kwargs)
         else:
-            adapter = ParallelLinearAdapter(in_features, out_features, dim, **kwargs)
+            adapter = ParallelLinearAdapter(in_features, out_features, rank, **kwargs)
         adapter.qualified_name = qualified_name or path
         adapter.redispatch_inputs = self.redispatch_expert_inputs
         return adapter

@@ -11,7 +11,7 @@ lowrank), bit-identical to torchtitan's LoRA for gather and regather; with
 - :func:`apply_lora` — the same for a model parallelized by hand with
   ``torch.distributed.tensor.parallel``
 - :func:`adapters`, :func:`decisions`, :func:`set_strategy` — the adapters of a model, what each
-  decided and why (``regather.decisions`` is the Megatron front end's), a strategy switch
+  decided and why (``regather.decisions`` reads every loaded front end), a strategy switch
 
 Modules: :mod:`.converter`, :mod:`.hand` (entry points); :mod:`.model` (attach, decisions);
 :mod:`.adapter` (the LoRA-A paths and the DTensor boundary); :mod:`.pairing` (where the gathered

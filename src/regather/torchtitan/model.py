@@ -7,8 +7,8 @@
   have produced its shard, its path, and the model's fallback log (one line per distinct reason,
   :mod:`regather.core.fallback_log`).
 
-Use :func:`regather.torchtitan.decisions` for a torchtitan model: ``regather.decisions`` lists
-the Megatron front end's adapters.
+:func:`regather.torchtitan.decisions` lists a torchtitan model's adapters; ``regather.decisions``
+lists them too, with those of any other front end the model holds.
 """
 
 from __future__ import annotations

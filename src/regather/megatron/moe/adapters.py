@@ -114,15 +114,16 @@ class GroupedExpertAdapter(ExpertAdapter):
         self.num_local_experts = num_local_experts
         super().__init__(in_features, out_features, dim, **kwargs)
 
-    def init_master_weights(self, dim, in_features, out_features, a_init, b_init, dtype, rank, tp) -> None:
-        """Each expert from its own full master weights, then this rank's shard (TP-size independent)."""
+    def init_master_weights(self, rank, in_features, out_features, a_init, b_init, dtype, tp_rank, tp) -> None:
+        """Each expert from its own full master weights (LoRA rank ``rank``), then this TP rank's shard
+        (TP-size independent)."""
         a_dim = 0 if self.column_parallel else 1
         a, b = [], []
         for _ in range(self.num_local_experts):
-            a_i = init_weight_(torch.empty(dim, in_features, dtype=torch.float32), a_init)
-            b_i = init_weight_(torch.empty(out_features, dim, dtype=torch.float32), b_init)
-            a.append(a_i.chunk(tp, dim=a_dim)[rank])
-            b.append(b_i.chunk(tp, dim=0)[rank])
+            a_i = init_weight_(torch.empty(rank, in_features, dtype=torch.float32), a_init)
+            b_i = init_weight_(torch.empty(out_features, rank, dtype=torch.float32), b_init)
+            a.append(a_i.chunk(tp, dim=a_dim)[tp_rank])
+            b.append(b_i.chunk(tp, dim=0)[tp_rank])
         self.linear_in = ExpertWeights(torch.stack(a).to(dtype).contiguous(), a_dim + 1, tp)
         self.linear_out = ExpertWeights(torch.stack(b).to(dtype).contiguous(), 1, tp)
 

@@ -31,7 +31,7 @@ Row-parallel base (input ``x_i [s, b, h/t]``)::
     mid   = all_reduce(x_i A_i^T)                                     [s, b, r]
     out   = all_gather_last_dim(mid B_i^T) -> scatter over sequence   [s/t, b, o]
 
-``scale = alpha / dim``; dropout on the adapter input ("pre") or output
+``scale = alpha / rank`` (the LoRA rank ``r``: Megatron Bridge's ``dim``); dropout on the adapter input ("pre") or output
 ("post"). Every forward evaluates :func:`regather.megatron.dense.eligibility.unsupported_reason`;
 when the requested strategy cannot run, the gather path runs instead with
 unchanged numerics and the first reason is logged once (a replicated LoRA-A
@@ -74,7 +74,8 @@ from regather.megatron.dense.eligibility import AdapterFacts
 
 
 class ParallelLinearAdapter(AdapterDecisions, AdapterForward, nn.Module):
-    """LoRA ``B(A(x)) * alpha/dim`` matched to a megatron column- or row-parallel linear."""
+    """LoRA ``B(A(x)) * alpha/r`` matched to a megatron column- or row-parallel linear. Its LoRA
+    rank ``r`` is the constructor's ``dim`` (Megatron Bridge's name) and :attr:`rank` here."""
 
     def __init__(
         self,
@@ -106,10 +107,10 @@ class ParallelLinearAdapter(AdapterDecisions, AdapterForward, nn.Module):
         pool: ScratchPool | None = None,
     ):
         super().__init__()
-        tp, rank = group_size_rank(tp_group)
+        tp, tp_rank = group_size_rank(tp_group)
         validate(in_features, out_features, dim, dropout, dropout_position, column_parallel, tp,
                  lora_A_init_method, lora_B_init_method, activation, ACTIVATIONS)
-        self.dim = dim
+        self.rank = dim  # the LoRA rank r
         self.alpha = float(dim if alpha is None else alpha)
         self.scale = self.alpha / dim
         self.dropout_position = dropout_position
@@ -120,7 +121,7 @@ class ParallelLinearAdapter(AdapterDecisions, AdapterForward, nn.Module):
             raise ValueError(f"lowrank_grad_allreduce must be one of {GRAD_ALLREDUCE_MODES}, "
                              f"got {lowrank_grad_allreduce!r}")
         self.lowrank_grad_allreduce = lowrank_grad_allreduce
-        self.tp_size, self.tp_rank = tp, rank
+        self.tp_size, self.tp_rank = tp, tp_rank
         self.config = config
         self.tp_group = tp_group
         self.column_parallel = column_parallel
@@ -145,24 +146,29 @@ class ParallelLinearAdapter(AdapterDecisions, AdapterForward, nn.Module):
         if params_dtype is None:
             params_dtype = getattr(config, "params_dtype", None) or torch.get_default_dtype()
         self.init_master_weights(dim, in_features, out_features, lora_A_init_method, lora_B_init_method,
-                                 params_dtype, rank, tp)
+                                 params_dtype, tp_rank, tp)
         self.tag_lora_a()
         if device is not None:
             self.to(device)
         self._register_state_dict_hook(save_sharded_lora_a)
         self._register_load_state_dict_pre_hook(load_lora_a, with_module=True)
 
-    def init_master_weights(self, dim, in_features, out_features, a_init, b_init, dtype, rank, tp) -> None:
-        """Full master weights from the default generator, then this rank's shard: every TP size
-        starts from the same adapter."""
-        a = init_weight_(torch.empty(dim, in_features, dtype=torch.float32), a_init)
-        b = init_weight_(torch.empty(out_features, dim, dtype=torch.float32), b_init)
+    def init_master_weights(self, rank, in_features, out_features, a_init, b_init, dtype, tp_rank, tp) -> None:
+        """Full master weights (LoRA rank ``rank``) from the default generator, then this TP rank's
+        shard: every TP size starts from the same adapter."""
+        a = init_weight_(torch.empty(rank, in_features, dtype=torch.float32), a_init)
+        b = init_weight_(torch.empty(out_features, rank, dtype=torch.float32), b_init)
         a, b = a.to(dtype), b.to(dtype)
-        self.linear_in = ShardedWeight(a, 0 if self.column_parallel else 1, rank, tp)
-        self.linear_out = ShardedWeight(b, 0, rank, tp)
+        self.linear_in = ShardedWeight(a, 0 if self.column_parallel else 1, tp_rank, tp)
+        self.linear_out = ShardedWeight(b, 0, tp_rank, tp)
         if self._wants_replicated(self._strategy):
             # the full master weight the sharded layouts slice: every strategy starts identical
             self.linear_in.weight = nn.Parameter(a.contiguous())
+
+    @property
+    def dim(self) -> int:
+        """The LoRA rank under Megatron Bridge's name (its ``ParallelLinearAdapter.dim``)."""
+        return self.rank
 
     @property
     def dispatched(self) -> bool:
@@ -180,7 +186,7 @@ class ParallelLinearAdapter(AdapterDecisions, AdapterForward, nn.Module):
     def replicated_a(self) -> bool:
         """LoRA-A holds the full ``[r, h]`` on every rank (low-rank strategy)."""
         w = self.linear_in.weight
-        return (w.dim() == 2 and w.shape[0] == self.dim and self.column_parallel and self.tp_size > 1
+        return (w.dim() == 2 and w.shape[0] == self.rank and self.column_parallel and self.tp_size > 1
                 and not self.dispatched)
 
     @property
@@ -233,7 +239,7 @@ class ParallelLinearAdapter(AdapterDecisions, AdapterForward, nn.Module):
 
     def lora_a_rows(self) -> slice:
         """This rank's rows of a full ``[r, h]`` LoRA-A (the sharded layout)."""
-        return shard_rows(self.dim, self.tp_rank, self.tp_size)
+        return shard_rows(self.rank, self.tp_rank, self.tp_size)
 
     def full_lora_a(self, shard: torch.Tensor) -> torch.Tensor:
         """All-gather the rank shards ``[r/t, h]`` into ``[r, h]`` (a collective)."""
@@ -247,5 +253,5 @@ class ParallelLinearAdapter(AdapterDecisions, AdapterForward, nn.Module):
 
     def extra_repr(self) -> str:
         kind = "column" if self.column_parallel else "row"
-        return (f"base={self.facts.base_name}, {kind}-parallel, dim={self.dim}, alpha={self.alpha:g}, "
+        return (f"base={self.facts.base_name}, {kind}-parallel, dim={self.rank}, alpha={self.alpha:g}, "
                 f"strategy={self.strategy.value}")

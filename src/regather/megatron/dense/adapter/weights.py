@@ -90,7 +90,7 @@ def load_lora_a(module, state_dict, prefix, local_metadata, strict, missing_keys
     key = prefix + LORA_A_KEY
     if key not in state_dict or not module.column_parallel or module.tp_size == 1:
         return
-    stored, r, t = state_dict[key], module.dim, module.tp_size
+    stored, r, t = state_dict[key], module.rank, module.tp_size
     if stored.dim() != 2 or stored.shape[0] not in (r, r // t):
         return  # let load_state_dict report the size mismatch
     if module.replicated_a and stored.shape[0] == r // t:
