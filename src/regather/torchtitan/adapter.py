@@ -227,7 +227,7 @@ class RegatherLoRA:
         if gathered.share is None:
             gathered.share = SharedGather.open(group, default_pool(), gathered.dim)
         gathered.share.join()
-        slot = RegatherSlot(group, default_pool(), early=True, defer=True, share=gathered.share, dim=gathered.dim)
+        slot = RegatherSlot(group, default_pool(), early=True, defer=True, share=gathered.share, seq_dim=gathered.dim)
         gathered.anchor.join(gathered.anchored.index(self), slot, _partial_grad(self.lora_a.weight.device_mesh))
         self._slot = slot
         return slot

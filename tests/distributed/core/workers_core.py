@@ -76,7 +76,7 @@ def _path(kind: str, x, a, group, dim, pool, source=KEEP, share=None):
     if kind == "regather":
         return regather_linear_a(x, a, group, False, pool, None, source, share, dim)
     if kind == "regather-early":
-        slot = new_slot(x, group, pool, early=True, share=share, dim=dim)
+        slot = new_slot(x, group, pool, early=True, share=share, seq_dim=dim)
         mid = regather_linear_a(anchor(x, a, slot), a, group, False, pool, slot, source, share, dim)
         if mid.requires_grad:
             mid.register_hook(slot.on_output_grad)
@@ -140,7 +140,7 @@ def _shared(group, a_shard, resid, norm, dim, pool):
         w1, w2 = a_shard.clone().requires_grad_(), (a_shard * 2).clone().requires_grad_()
         inp = resid.clone().requires_grad_()
         x = norm(inp)
-        share = SharedGather(2, group, pool, dim=dim) if shared else None
+        share = SharedGather(2, group, pool, seq_dim=dim) if shared else None
         m1 = _path("regather", x, w1, group, dim, pool, share=share)
         m2 = _path("regather", x, w2, group, dim, pool, share=share)
         (m1.sum() + 2 * m2.sum()).backward()

@@ -54,7 +54,7 @@ def anchored_members(rank, world_size, dim: int):
                 x_full = anchor_shared(x_full, ws, members)
                 share = SharedGather.open(group, pool, dim)
                 for i, w in enumerate(ws[:2]):
-                    slot = RegatherSlot(group, pool, early=True, defer=True, share=share, dim=dim)
+                    slot = RegatherSlot(group, pool, early=True, defer=True, share=share, seq_dim=dim)
                     share.join()
                     members.join(i, slot)
                     mid = regather_shared_linear_a(x_full, x.detach(), w, group, False, pool, slot, KEEP, dim)

@@ -26,7 +26,7 @@ from regather.core import mappings
 from regather.core.strategies.wgrad import linear
 
 
-def gather_linear_a(x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bool, dim: int = 0) -> torch.Tensor:
-    """``all_gather(x_local) @ weight^T`` over sequence dim ``dim`` (reduce-scatter in backward)."""
-    x_full = mappings.gather_seq(x_local, group, dim)
+def gather_linear_a(x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bool, seq_dim: int = 0) -> torch.Tensor:
+    """``all_gather(x_local) @ weight^T`` over sequence dim ``seq_dim`` (reduce-scatter in backward)."""
+    x_full = mappings.gather_seq(x_local, group, seq_dim)
     return linear(x_full, weight, fuse)

@@ -102,18 +102,18 @@ class LowRankLinearA(torch.autograd.Function):
     """``mid = all_gather_s(x_local A^T)`` with ``dA`` summed over the TP group (see module doc)."""
 
     @staticmethod
-    def forward(ctx, x_local, weight, group, fuse, reduce_dA, source, dim):
+    def forward(ctx, x_local, weight, group, fuse, reduce_dA, source, seq_dim):
         mid_local = torch.matmul(x_local, weight.t())
-        mid = comm.all_gather_seq(mid_local, group, dim=dim)
+        mid = comm.all_gather_seq(mid_local, group, dim=seq_dim)
         ctx.save_for_backward(*source.save(x_local))  # x_local, or what its producer keeps
         ctx.weight = weight  # a parameter: kept on ctx so main_grad survives (see LinearWithWgrad)
-        ctx.group, ctx.fuse, ctx.reduce_dA, ctx.source, ctx.dim = group, fuse, reduce_dA, source.handle(), dim
+        ctx.group, ctx.fuse, ctx.reduce_dA, ctx.source, ctx.seq_dim = group, fuse, reduce_dA, source.handle(), seq_dim
         return mid
 
     @staticmethod
     def backward(ctx, grad_mid):
         weight, group = ctx.weight, ctx.group
-        grad_mid_local = comm.reduce_scatter_seq(grad_mid, group, dim=ctx.dim)  # sums the TP partials
+        grad_mid_local = comm.reduce_scatter_seq(grad_mid, group, dim=ctx.seq_dim)  # sums the TP partials
         grad_w = None
         if ctx.needs_input_grad[1]:
             x_local = ctx.source.load(ctx.saved_tensors)
@@ -125,9 +125,9 @@ class LowRankLinearA(torch.autograd.Function):
 
 
 def lowrank_linear_a(x_local, weight, group, fuse: bool, reduce_dA: bool = True, source=KEEP,
-                     dim: int = 0) -> torch.Tensor:
-    """``[s/t, b, h] -> [s, b, r]`` (sequence dim ``dim``) with a replicated ``weight [r, h]``."""
-    return LowRankLinearA.apply(x_local, weight, group, fuse, reduce_dA, source, dim)
+                     seq_dim: int = 0) -> torch.Tensor:
+    """``[s/t, b, h] -> [s, b, r]`` (sequence dim ``seq_dim``) with a replicated ``weight [r, h]``."""
+    return LowRankLinearA.apply(x_local, weight, group, fuse, reduce_dA, source, seq_dim)
 
 
 def shard_rows(r: int, rank: int, t: int) -> slice:

@@ -87,7 +87,6 @@ class RegatherSlot:
 
     __slots__ = (
         "defer",
-        "dim",
         "early",
         "fuse",
         "grad_mid",
@@ -96,6 +95,7 @@ class RegatherSlot:
         "pending",
         "pool",
         "saved",
+        "seq_dim",
         "share",
         "source",
         "versions",
@@ -108,9 +108,9 @@ class RegatherSlot:
     observer = None
 
     def __init__(self, group, pool: ScratchPool, early: bool, defer: bool, share: SharedGather | None = None,
-                 dim: int = 0):
+                 seq_dim: int = 0):
         self.group, self.pool, self.early, self.defer, self.share = group, pool, early, defer, share
-        self.dim = dim
+        self.seq_dim = seq_dim
         self.source, self.saved, self.versions, self.x_local = KEEP, None, None, None
         self.lease = self.pending = None
         self.grad_mid = self.weight = self.fuse = None
@@ -141,8 +141,8 @@ class RegatherSlot:
             return
         x = self.x_local = self.source.load(self.saved)  # alive until the gather has read it
         t = comm.world_size(self.group)
-        self.lease = self.pool.acquire(BACKWARD_SCRATCH, full_shape(x, t, self.dim), x.dtype, x.device)
-        self.pending = comm.all_gather_seq(x, self.group, out=self.lease.tensor, async_op=True, dim=self.dim)
+        self.lease = self.pool.acquire(BACKWARD_SCRATCH, full_shape(x, t, self.seq_dim), x.dtype, x.device)
+        self.pending = comm.all_gather_seq(x, self.group, out=self.lease.tensor, async_op=True, dim=self.seq_dim)
 
     def weight_grad(self, weight, grad_mid, fuse):
         """Wait for the gather, ``dA = dmid^T x_full``, release the scratch buffer."""
@@ -159,10 +159,10 @@ class RegatherSlot:
         return grad_w
 
     @classmethod
-    def for_backward(cls, slot, group, pool, source, saved, need_w: bool, share=None, dim: int = 0) -> RegatherSlot:
+    def for_backward(cls, slot, group, pool, source, saved, need_w: bool, share=None, seq_dim: int = 0) -> RegatherSlot:
         """The forward's slot (a fresh plain one if it had none), its gather started if dA is needed."""
         if slot is None:  # plain regather: the gather starts here
-            slot = cls(group, pool, early=False, defer=False, share=share, dim=dim)
+            slot = cls(group, pool, early=False, defer=False, share=share, seq_dim=seq_dim)
             if saved is not None:
                 slot.bind(source, saved)
         if need_w:
@@ -187,19 +187,19 @@ class RegatherLinearA(torch.autograd.Function):
     """LoRA-A under SP that saves ``x_local`` and re-gathers it in backward."""
 
     @staticmethod
-    def forward(ctx, x_local, weight, group, fuse, pool, slot, source, share, dim):
+    def forward(ctx, x_local, weight, group, fuse, pool, slot, source, share, seq_dim):
         if share is not None:  # the gather is shared with the other adapters on this input
             mid = torch.matmul(share.forward_full(x_local), weight.t())
             share.forward_done()
         else:
             t = comm.world_size(group)
-            lease = pool.acquire(FORWARD_SCRATCH, full_shape(x_local, t, dim), x_local.dtype, x_local.device)
-            x_full = comm.all_gather_seq(x_local, group, out=lease.tensor, dim=dim)
+            lease = pool.acquire(FORWARD_SCRATCH, full_shape(x_local, t, seq_dim), x_local.dtype, x_local.device)
+            x_full = comm.all_gather_seq(x_local, group, out=lease.tensor, dim=seq_dim)
             mid = torch.matmul(x_full, weight.t())
             lease.release()  # the GEMM above is the last reader (rule 3 in regather.core.buffers)
         _save_shard(ctx, x_local, source, slot)
         ctx.weight = weight  # a parameter: no new memory (see LinearWithWgrad on why not saved)
-        ctx.group, ctx.fuse, ctx.pool, ctx.share, ctx.dim = group, fuse, pool, share, dim
+        ctx.group, ctx.fuse, ctx.pool, ctx.share, ctx.seq_dim = group, fuse, pool, share, seq_dim
         return mid
 
     @staticmethod
@@ -210,7 +210,7 @@ class RegatherLinearA(torch.autograd.Function):
         scatter = None
         if ctx.needs_input_grad[0]:
             grad_full = grad_mid.matmul(weight)
-            scatter = comm.reduce_scatter_seq(grad_full, ctx.group, async_op=True, dim=ctx.dim)
+            scatter = comm.reduce_scatter_seq(grad_full, ctx.group, async_op=True, dim=ctx.seq_dim)
         grad_w = slot.weight_grad_or_defer(weight, grad_mid, ctx.fuse) if need_w else None
         grad_x = scatter.wait() if scatter is not None else None
         return grad_x, grad_w, None, None, None, None, None, None, None
@@ -228,7 +228,7 @@ def _save_shard(ctx, x_local, source, slot) -> None:
 def _slot_for_backward(ctx, need_w: bool) -> RegatherSlot:
     saved = ctx.saved_tensors if (ctx.slot is None and need_w) else None
     return RegatherSlot.for_backward(ctx.slot, ctx.group, ctx.pool, ctx.source, saved, need_w,
-                                     getattr(ctx, "share", None), ctx.dim)
+                                     getattr(ctx, "share", None), ctx.seq_dim)
 
 
 class RegatherSharedLinearA(torch.autograd.Function):
@@ -241,11 +241,11 @@ class RegatherSharedLinearA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_full, x_local, weight, group, fuse, pool, slot, source, dim):
+    def forward(ctx, x_full, x_local, weight, group, fuse, pool, slot, source, seq_dim):
         mid = torch.matmul(x_full, weight.t())
         _save_shard(ctx, x_local, source, slot)
         ctx.weight = weight
-        ctx.group, ctx.fuse, ctx.pool, ctx.dim = group, fuse, pool, dim
+        ctx.group, ctx.fuse, ctx.pool, ctx.seq_dim = group, fuse, pool, seq_dim
         return mid
 
     @staticmethod
@@ -275,10 +275,10 @@ class DeferredWgrad(torch.autograd.Function):
         return grad_x, ctx.slot.finish_deferred(), None
 
 
-def new_slot(x: torch.Tensor, group, pool: ScratchPool | None, early: bool, share=None, dim: int = 0) -> RegatherSlot:
+def new_slot(x: torch.Tensor, group, pool: ScratchPool | None, early: bool, share=None, seq_dim: int = 0) -> RegatherSlot:
     """A slot for one forward; ``dA`` is deferred only when ``x`` requires grad."""
     return RegatherSlot(group, pool or default_pool(), early=early, defer=early and x.requires_grad, share=share,
-                        dim=dim)
+                        seq_dim=seq_dim)
 
 
 def anchor(x: torch.Tensor, weight: torch.Tensor, slot: RegatherSlot) -> torch.Tensor:
@@ -288,15 +288,15 @@ def anchor(x: torch.Tensor, weight: torch.Tensor, slot: RegatherSlot) -> torch.T
 
 def regather_linear_a(
     x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bool, pool: ScratchPool | None = None,
-    slot: RegatherSlot | None = None, source=KEEP, share: SharedGather | None = None, dim: int = 0,
+    slot: RegatherSlot | None = None, source=KEEP, share: SharedGather | None = None, seq_dim: int = 0,
 ) -> torch.Tensor:
-    """LoRA-A on the sequence shard ``x_local`` (sequence dim ``dim``), keeping the shard."""
-    return RegatherLinearA.apply(x_local, weight, group, fuse, pool or default_pool(), slot, source, share, dim)
+    """LoRA-A on the sequence shard ``x_local`` (sequence dim ``seq_dim``), keeping the shard."""
+    return RegatherLinearA.apply(x_local, weight, group, fuse, pool or default_pool(), slot, source, share, seq_dim)
 
 
 def regather_shared_linear_a(
     x_full: torch.Tensor, x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bool,
-    pool: ScratchPool | None = None, slot: RegatherSlot | None = None, source=KEEP, dim: int = 0,
+    pool: ScratchPool | None = None, slot: RegatherSlot | None = None, source=KEEP, seq_dim: int = 0,
 ) -> torch.Tensor:
     return RegatherSharedLinearA.apply(x_full, x_local, weight, group, fuse, pool or default_pool(), slot,
-                                       source, dim)
+                                       source, seq_dim)

@@ -36,27 +36,27 @@ FORWARD_SCRATCH = "regather.forward.x_full"
 BACKWARD_SCRATCH = "regather.backward.x_full"
 
 
-def full_shape(x_local, t: int, dim: int = 0):
-    """The shape of ``x_local`` gathered over ``t`` ranks on sequence dim ``dim``."""
-    dim = dim % x_local.dim()
-    return tuple(x_local.shape[:dim]) + (x_local.shape[dim] * t,) + tuple(x_local.shape[dim + 1:])
+def full_shape(x_local, t: int, seq_dim: int = 0):
+    """The shape of ``x_local`` gathered over ``t`` ranks on sequence dim ``seq_dim``."""
+    seq_dim = seq_dim % x_local.dim()
+    return tuple(x_local.shape[:seq_dim]) + (x_local.shape[seq_dim] * t,) + tuple(x_local.shape[seq_dim + 1:])
 
 
 class SharedGather:
     """The forward and backward gathers of ``members`` LoRA-A's on one input."""
 
-    def __init__(self, members: int, group, pool: ScratchPool, dim: int = 0):
+    def __init__(self, members: int, group, pool: ScratchPool, seq_dim: int = 0):
         if members < 1:
             raise ValueError(f"a shared gather needs at least one member, got {members}")
-        self.members, self.group, self.pool, self.dim = members, group, pool, dim
+        self.members, self.group, self.pool, self.seq_dim = members, group, pool, seq_dim
         self._fwd_lease, self._fwd_left = None, members
         self._lease = self._pending = self._full = self._x = None
         self._left = members
 
     @classmethod
-    def open(cls, group, pool: ScratchPool, dim: int = 0) -> SharedGather:
+    def open(cls, group, pool: ScratchPool, seq_dim: int = 0) -> SharedGather:
         """A share for one forward with no member yet; members :meth:`join` as they run."""
-        share = cls(1, group, pool, dim)
+        share = cls(1, group, pool, seq_dim)
         share.members = share._fwd_left = share._left = 0
         return share
 
@@ -73,9 +73,9 @@ class SharedGather:
         """``all_gather(x_local)`` into a scratch buffer, once for all members."""
         if self._fwd_lease is None:
             t = comm.world_size(self.group)
-            self._fwd_lease = self.pool.acquire(FORWARD_SCRATCH, full_shape(x_local, t, self.dim), x_local.dtype,
+            self._fwd_lease = self.pool.acquire(FORWARD_SCRATCH, full_shape(x_local, t, self.seq_dim), x_local.dtype,
                                                 x_local.device)
-            comm.all_gather_seq(x_local, self.group, out=self._fwd_lease.tensor, dim=self.dim)
+            comm.all_gather_seq(x_local, self.group, out=self._fwd_lease.tensor, dim=self.seq_dim)
         return self._fwd_lease.tensor
 
     def forward_done(self) -> None:
@@ -92,8 +92,8 @@ class SharedGather:
             return
         x = self._x = source.load(saved)  # alive until the gather has read it
         t = comm.world_size(self.group)
-        self._lease = self.pool.acquire(BACKWARD_SCRATCH, full_shape(x, t, self.dim), x.dtype, x.device)
-        self._pending = comm.all_gather_seq(x, self.group, out=self._lease.tensor, async_op=True, dim=self.dim)
+        self._lease = self.pool.acquire(BACKWARD_SCRATCH, full_shape(x, t, self.seq_dim), x.dtype, x.device)
+        self._pending = comm.all_gather_seq(x, self.group, out=self._lease.tensor, async_op=True, dim=self.seq_dim)
 
     def wait(self, observer=None):
         """The gathered input (waits once; through ``observer.wait(pending)`` when one is given,
