@@ -5,7 +5,7 @@ not part of megatron-core's API — private attributes, a linear's communication
 one call, a dispatcher's per-forward state, the functions a module's forward calls by name.
 Each :class:`Internal` says where megatron-core defines it (a module and the source text that
 sets or defines it there), in which versions it was read (:data:`READ_FROM`), and what regather
-does with it; ``tests/megatron/test_compat.py`` finds each one in the pinned megatron-core's
+does with it; ``tests/unit/megatron/test_compat.py`` finds each one in the pinned megatron-core's
 source. A name megatron-core renames breaks that test, not a training run.
 """
 

@@ -3,7 +3,7 @@
 The adapter is one ``nn.Module`` assembled from a decision half (:mod:`.decisions`: which strategy,
 which path, where ``dA``'s input comes from, the fallback log) and a forward half (:mod:`.forward`:
 plan, then execute). Neither reads an attribute the other defines except through these
-contracts, which ``tests/megatron/test_adapter_contract.py`` checks against the source:
+contracts, which ``tests/unit/megatron/test_adapter_contract.py`` checks against the source:
 
 - :class:`AdapterModule` — what the module itself holds (:mod:`.module`'s constructor and
   layout): both halves read it;
