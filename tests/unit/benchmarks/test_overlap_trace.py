@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu", "overlap.py")
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "gpu", "overlap.py")
 
 
 @pytest.fixture(scope="module")
