@@ -24,7 +24,8 @@ CPU_OFFLOADING = "CPU activation offloading is on (cpu_offloading=True)"
 
 
 def kept_as_is(path: str) -> str:
-    """Why a column-parallel adapter on the ``path`` path ("gather", "replicated") keeps its input."""
+    """Why a column-parallel adapter on the ``path`` path keeps its input: "gather" under SP (the
+    replicated path of TP = 1 / SP off rebuilds its input from the norm, as regather does)."""
     return (f"the {path} path keeps its input as it is (recompute of a column-parallel adapter's input needs "
             "regather or lowrank)")
 

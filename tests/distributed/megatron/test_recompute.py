@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from workers_recompute import TE_NORMS, Setup, Shape
 
+from regather.core.recompute.graph import SOURCE_NOT_KEPT
 from regather.testing.spawn_groups import SpawnGroups, group_by_cost
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -39,6 +40,8 @@ ALL = ("gather", "gather-rc", "regather", "regather-rc", "regather-plain", "rega
 CORE = ("gather", "gather-rc", "regather", "regather-rc", "regather-plain-rc", "lowrank", "lowrank-rc")
 SMALL = ("gather", "gather-rc", "regather-rc", "lowrank", "lowrank-rc")
 SWIGLU = dict(gated_linear_unit=True, activation_func=F.silu)
+# TP = 1 or SP off: every strategy falls back to the replicated path; each with recompute
+REPLICATED_VARIANTS = ("gather", "gather-rc", "regather-rc", "regather-plain-rc", "lowrank", "lowrank-rc")
 MATRIX = {
     "fp32": Setup(ALL),
     "bf16": Setup(CORE, dtype="bfloat16"),
@@ -63,10 +66,18 @@ MATRIX = {
     "phases": Setup(SMALL, schedule="steps"),
     "dropout_pre": Setup(SMALL, lora=dict(dropout=0.1)),
     "dropout_post": Setup(SMALL + ("regather-plain-rc",), lora=dict(dropout=0.1, dropout_position="post")),
-    "tp1": Setup(("gather", "gather-rc", "regather-rc", "lowrank", "lowrank-rc"), tp=1),
+    "tp1": Setup(REPLICATED_VARIANTS, tp=1),
     "tp1_swiglu_fused": Setup(("gather", "gather-rc"), tp=1,
                               model=dict(SWIGLU, add_bias_linear=False, bias_activation_fusion=True)),
-    "sp_off": Setup(("gather", "gather-rc", "regather-rc", "lowrank", "lowrank-rc"), sp=False),
+    "sp_off": Setup(REPLICATED_VARIANTS, sp=False),
+    # Bridge's shipped layouts (issue 33): TP = 1 (the 1-GPU recipes) and TP > 1 with SP off (the 70B
+    # ones), the decoder input requiring grad as under Bridge's recompute, beside the frozen model
+    "tp1_input_grad": Setup(REPLICATED_VARIANTS, tp=1, input_grad=True, frozen_baseline=True),
+    "sp_off_input_grad": Setup(REPLICATED_VARIANTS, sp=False, input_grad=True, frozen_baseline=True),
+    # a Llama-like MLP in bf16 (LayerNorm: torch's bf16 RMSNorm keeps an fp32 copy on CPU, FALLBACKS)
+    "sp_off_swiglu_bf16": Setup(("gather", "gather-rc", "regather-rc", "lowrank", "lowrank-rc"), sp=False,
+                                dtype="bfloat16", input_grad=True, frozen_baseline=True,
+                                model=dict(SWIGLU, add_bias_linear=False, bias_activation_fusion=True)),
 }
 BYTES_SCHEDULES = ("plain", "interleaved")
 
@@ -210,7 +221,6 @@ NO_PRODUCER = "linear_proj has no recomputable producer (only linear_qkv, linear
 FROZEN_INPUT = "input_layernorm: it keeps nothing for its backward (neither its input nor its weights need a gradient)"
 GATHER_PATH = ("the gather path keeps its input as it is (recompute of a column-parallel adapter's input needs "
                "regather or lowrank)")
-REPLICATED_PATH = GATHER_PATH.replace("gather path", "replicated path")
 DROPOUT_PRE = "dropout is applied to the adapter input (dropout_position='pre')"
 
 
@@ -235,8 +245,11 @@ def expected_tail(setup: Setup, variant: str, path: str) -> str:
     strategy = variant.split("-")[0]
     name = path.rsplit(".", 1)[-1]
     layer = int(path.split(".")[2])
+    # TP = 1 or SP off: the replicated path, which rebuilds qkv / fc1 inputs from the norm as
+    # regather and lowrank do under SP, whatever strategy was asked
+    replicated = setup.tp == 1 or not setup.sp
     if "dropout" in setup.lora and setup.lora.get("dropout_position", "pre") == "pre":
-        if name in ("linear_qkv", "linear_fc1") and (strategy == "gather" or not setup.sp or setup.tp == 1):
+        if name in ("linear_qkv", "linear_fc1") and strategy == "gather" and not replicated:
             pass  # the path's own reason comes first
         else:
             return kept(DROPOUT_PRE)
@@ -244,9 +257,7 @@ def expected_tail(setup: Setup, variant: str, path: str) -> str:
         return kept(NO_PRODUCER)
     if name == "linear_fc2":
         return recomputed(activation_name(setup.model))
-    if setup.tp == 1 or not setup.sp:
-        return kept(REPLICATED_PATH)
-    if strategy == "gather":
+    if strategy == "gather" and not replicated:
         return kept(GATHER_PATH)
     if name == "linear_qkv" and layer == 0 and not setup.input_grad:
         return kept(FROZEN_INPUT)
@@ -362,17 +373,18 @@ def adapter_input_bytes(setup: Setup, variant: str, decisions: dict) -> int:
 
 
 def saving_vs_gather(setup: Setup, decisions: dict) -> int:
-    """Total retained bytes below the gather run: s*b*h per recomputing qkv/fc1, x_full - x_local
-    per qkv/fc1 that keeps x_local, s*b*ffn_local per recomputing fc2."""
+    """Total retained bytes below the gather run: s*b*h per recomputing qkv/fc1 (x_full under SP,
+    the replicated x without), x_full - x_local per qkv/fc1 that keeps x_local, s*b*ffn_local per
+    recomputing fc2."""
     s, b, h, t = SHAPE.seq_length, setup.micro_batch, SHAPE.hidden_size, setup.tp
     ffn_local = SHAPE.ffn_hidden_size // t
     total = 0
     for path, d in decisions.items():
         name = path.rsplit(".", 1)[-1]
-        if name in ("linear_qkv", "linear_fc1") and setup.sp and t > 1:
-            if "input recomputed" in d:
+        if name in ("linear_qkv", "linear_fc1"):
+            if "input recomputed" in d:  # x_full under SP, the replicated x otherwise: s*b*h
                 total += s * b * h
-            elif d.startswith(("regather", "lowrank")):
+            elif setup.sp and t > 1 and d.startswith(("regather", "lowrank")):
                 total += s * b * h - s * b * h // t
         elif name == "linear_fc2" and "input recomputed" in d:
             total += s * b * ffn_local
@@ -410,6 +422,36 @@ def test_qwen_like_saving_is_the_whole_adapter_input(matrix):
             assert labels == {"adapter_input:linear_proj": L * s * b * h // t * e}, r["saved_by_label"]
 
 
+FROZEN = [(s, v) for s, setup in MATRIX.items() for v in setup.variants if setup.frozen_baseline]
+
+
+def rank_r_bytes(setup: Setup) -> int:
+    """What every adapter adds besides its LoRA-A input: LoRA-B's input ``mid [s, b, r]`` (the
+    rank-r activation, gathered over r for a column-parallel adapter, reduced for a row-parallel
+    one), one per adapter."""
+    return 4 * L * SHAPE.seq_length * setup.micro_batch * 8 * elt(setup)  # LoRA dim 8 (workers_recompute.build)
+
+
+@pytest.mark.parametrize("setup,variant", FROZEN, ids=[f"{s}-{v}" for s, v in FROZEN])
+def test_lora_over_the_frozen_model(matrix, setup, variant):
+    """TP = 1 and TP > 1 with SP off (Bridge's shipped layouts), the decoder input requiring grad:
+    LoRA adds over the frozen model (no LoRA, every weight frozen, same step) exactly its LoRA-A
+    inputs plus one rank-r tensor per adapter; with recompute the LoRA-A inputs are linear_proj's
+    alone (the local spec's attention keeps no output: its input is new bytes), every qkv / fc1 /
+    fc2 input rebuilt from what the norm and the activation keep. Counted with saved-tensor hooks."""
+    st = MATRIX[setup]
+    s, b, h, t = SHAPE.seq_length, st.micro_batch, SHAPE.hidden_size, st.tp
+    for rank, r in enumerate(variant_results(matrix, setup, variant)):
+        frozen = matrix.ranks(setup)[rank]["results"][setup]["frozen"]
+        extra = r["saved_total"] - frozen["saved_total"]
+        assert frozen["saved_total"] > 0 and r["input_dx"] and frozen["input_dx"][0] is not None
+        assert extra == adapter_input_bytes(st, variant, r["decisions"]) + rank_r_bytes(st), \
+            (rank, extra, r["saved_by_label"], frozen["saved_by_label"])
+        if variant.endswith("-rc"):
+            assert r["saved_adapter_input"] == L * s * b * h // t * elt(st), r["saved_by_label"]
+            assert extra == L * s * b * h // t * elt(st) + rank_r_bytes(st)
+
+
 RC_TWINS = [(s, v) for s, setup in MATRIX.items() for v in setup.variants
             if v.endswith("-rc") and v[:-3] in setup.variants and setup.schedule == "plain"]
 
@@ -438,6 +480,9 @@ FALLBACKS = {
     "fp8_input_store_fused": Setup(V, model=dict(SWIGLU, add_bias_linear=False, bias_activation_fusion=True,
                                                  activation_func_fp8_input_store=True)),
     "unfaithful_norm": Setup(V, prepare="unfaithful_norm"),
+    # torch's rms_norm in bf16 on CPU is composite: it saves an fp32 copy of its input, not the input
+    "rmsnorm_bf16": Setup(("gather", "regather-rc"), dtype="bfloat16", input_grad=True,
+                          model=dict(normalization="RMSNorm")),
     "unfaithful_activation": Setup(V, prepare="unfaithful_act"),
     "late_fc2_prehook": Setup(("gather", "regather-rc"), prepare="late_fc2_prehook", schedule="two_steps"),
     "late_norm_inplace": Setup(("gather", "regather-rc"), prepare="late_inplace_before_lora",
@@ -490,6 +535,9 @@ FALLBACK_TAILS = {
     "unfaithful_activation": {(0, QKV): kept(FROZEN_INPUT), (1, QKV): LN} | {(i, FC1): PRE_MLP for i in range(L)}
     | {(i, FC2): _bit_for_bit("the MLP activation (gelu)") for i in range(L)},
 }
+FALLBACK_TAILS["rmsnorm_bf16"] = ({(i, QKV): kept(f"input_layernorm: {SOURCE_NOT_KEPT}") for i in range(L)}
+                                  | {(i, FC1): kept(f"pre_mlp_layernorm: {SOURCE_NOT_KEPT}") for i in range(L)}
+                                  | {(i, FC2): GELU for i in range(L)})
 FALLBACK_TAILS["fp8_input_store_fused"] = FALLBACK_TAILS["fp8_input_store"]
 FB_PAIRS = [(s, v) for s in FALLBACKS for v in FALLBACKS[s].variants if v != "gather"]
 

@@ -60,6 +60,8 @@ class Setup:
     micro_batch: int = 2
     prepare: str | None = None  # name in PREPARE: changes the model after LoRA (hooks, patches)
     spec: str | None = None  # name in SPECS: a custom layer spec
+    # also run the frozen model without LoRA (results key "frozen"): what LoRA adds over it
+    frozen_baseline: bool = False
 
     @property
     def torch_dtype(self):
@@ -224,10 +226,10 @@ def ensure_parallel(tp: int) -> None:
         _TP_INIT["tp"] = tp
 
 
-def build(setup: Setup, variant: str):
+def build_base(setup: Setup):
+    """The setup's megatron GPT (its spec, config overrides and pre-LoRA changes), before LoRA."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from regather import LoRA
     from regather.testing.models import build_gpt
 
     ensure_parallel(setup.tp)
@@ -248,6 +250,13 @@ def build(setup: Setup, variant: str):
             setattr(model.config, k, v)
     if setup.prepare in PREPARE_BEFORE:
         PREPARE_BEFORE[setup.prepare](model)
+    return model
+
+
+def build(setup: Setup, variant: str):
+    from regather import LoRA
+
+    model = build_base(setup)
     strategy, overrides = VARIANTS[variant]
     torch.manual_seed(99)  # adapter init: the same for every variant
     lora = LoRA(dim=8, alpha=16, lora_B_init_method="normal", sequence_parallel_input_strategy=strategy,
@@ -473,8 +482,29 @@ def _schedule(setup, model, rec, batches, res, SavedBytes, CollectiveBytes):
         raise ValueError(setup.schedule)
 
 
+def run_frozen(setup: Setup) -> dict:
+    """The same model without LoRA, every weight frozen, through one plain step: the bytes autograd
+    keeps for a backward that only carries gradients through the model (the decoder input requires
+    grad with ``input_grad``, as in a fine-tune whose embeddings are frozen below the first adapter)."""
+    from regather.core.accounting import SavedBytes
+    from regather.testing.models import gpt_batch
+
+    model = build_base(setup)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    rec = Recorder(model, setup.input_grad)
+    with SavedBytes.for_model(model) as saved:
+        loss, _ = _loss(model, gpt_batch(setup.shape, setup.micro_batch, seed=1))
+    if loss.requires_grad:
+        loss.backward()
+    return {"saved_total": saved.total, "saved_by_label": saved.by_label(),
+            "input_dx": [t.grad for t in rec.inputs]}
+
+
 def run_setup(setup: Setup) -> dict:
     out = {}
+    if setup.frozen_baseline:
+        out["frozen"] = run_frozen(setup)
     for v in setup.variants:
         try:
             out[v] = run_variant(setup, v)

@@ -18,9 +18,11 @@ path                input                 LoRA-A
 blocks of grouped experts, one LoRA-A per block, :class:`~regather.core.strategies.wgrad.
 GroupedLinearWithWgrad`).
 
-Saved for backward: the input, through the path's source — kept, or, for ``row``
-(``linear_fc2``), recomputed from what the MLP activation already keeps
-(:mod:`regather.core.recompute.sources`). No collective of their own beyond the copy's
+Saved for backward: the input, through the path's source — kept, or recomputed from what its
+producer already keeps (:mod:`regather.core.recompute.sources`): for ``row`` (``linear_fc2``)
+the MLP activation's input, for ``replicated`` (``linear_qkv`` / ``linear_fc1`` at TP = 1 or
+with SP off) the norm's input, exactly as under SP (the input is the norm's whole output then,
+not a shard of it). No collective of their own beyond the copy's
 backward all-reduce.
 """
 
@@ -37,5 +39,6 @@ def local_linear_a(x, weight, args):
 
 
 def replicated_linear_a(x, weight, args):
-    """``replicated``: ``x A_i^T``; backward all-reduces ``dX`` over TP (a copy to the group)."""
-    return linear(mappings.copy_to_group(x, args.group), weight, args.fuse)
+    """``replicated``: ``x A_i^T``, saved through ``args.source``; backward all-reduces ``dX`` over
+    TP (a copy to the group)."""
+    return linear(mappings.copy_to_group(x, args.group), weight, args.fuse, args.source)

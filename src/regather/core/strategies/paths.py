@@ -103,8 +103,8 @@ ROW = LoraAPath("row", saves="x_i [s, b, h/t] (or what its producer keeps)", sen
 DISPATCHED = LoraAPath("dispatched", saves="x [n, h] (the dispatched tokens)",
                        sends="none (dX is reduced over expert TP by the dispatcher, with the base's)",
                        recomputes=False, fn=local_linear_a)
-REPLICATED = LoraAPath("replicated", saves="x [s, b, h]", sends="backward: all-reduce dX",
-                       recomputes=False, fn=replicated_linear_a)
+REPLICATED = LoraAPath("replicated", saves="x [s, b, h] (or what its producer keeps)",
+                       sends="backward: all-reduce dX", recomputes=True, fn=replicated_linear_a)
 PREDISPATCHED = LoraAPath(
     "predispatched", saves="nothing new: the router's input [T, h] (which the router keeps)",
     sends="forward: r more columns on the tokens' dispatch; backward: the same on its reverse, "

@@ -102,8 +102,8 @@ def recompute_part(setup: Setup, name: str, used: str, producer_input_needs_grad
     if setup.moe and name in ("linear_fc1", "linear_fc2"):  # the dispatched path decides first
         return _expert_recompute_part(setup, name, producer_input_needs_grad)
     sp = setup.sp and setup.tp > 1
-    if name in ELIGIBLE_BASES and (not sp or used == "gather"):
-        return None, kept_as_is("gather" if sp else "replicated")
+    if name in ELIGIBLE_BASES and sp and used == "gather":  # TP = 1 / SP off: the replicated path recomputes
+        return None, kept_as_is("gather")
     if name == "linear_proj":
         return None, no_recomputable_producer(name)
     if name == "linear_fc2" and setup.cpu_offloading:
