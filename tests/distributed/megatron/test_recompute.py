@@ -683,6 +683,23 @@ def test_te_layernorm_base(fallbacks, norm, strategy):
             assert ref["saved_total"] - got["saved_total"] == s // t * b * h * e
 
 
+@pytest.mark.parametrize("strategy", ["gather", "regather"])
+def test_te_sp_off_recomputes_from_the_fused_norm(fallbacks, strategy):
+    """SP off (the replicated path): the TE base's input is rebuilt from its fused norm on every
+    strategy, as under SP; numerics and collectives unchanged, the adapter keeps no input of its own."""
+    s, b, h, e = 8, 2, 16, 4
+    for rank, r in enumerate(te_results(fallbacks)):
+        got, ref = r[("sp_off", strategy, True)], r[("sp_off", strategy, False)]
+        for k in ("out", "out2", "dx", "dA", "dB"):
+            same(got[k], ref[k], f"rank {rank} sp_off/{strategy} {k}")
+        assert got["comm"] == ref["comm"]
+        head = "gather" if strategy == "gather" else (
+            f"gather (asked {strategy}: sequence parallelism is off for 'linear_qkv')")
+        assert got["decision"] == head + recomputed(TE_FUSED)
+        assert (got["saved_adapter_input"], ref["saved_adapter_input"]) == (0, s * b * h * e)
+        assert ref["saved_total"] - got["saved_total"] == s * b * h * e
+
+
 @pytest.mark.parametrize("strategy", ["regather", "lowrank"])
 def test_te_frozen_input_keeps(fallbacks, strategy):
     for rank, r in enumerate(te_results(fallbacks)):

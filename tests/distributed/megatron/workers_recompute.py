@@ -537,8 +537,9 @@ def run_many(rank: int, world: int, setups: dict, te: bool = False) -> dict:
 
 
 def te_case(rank, t, strategy, recompute, *, normalization="LayerNorm", zero_centered_gamma=False,
-            x_grad=True, eps=1e-5, s=8, b=2, h=16, o=24, r=4) -> dict:
-    """LoRA on the fake TE LayerNorm-fused base, with and without recompute."""
+            x_grad=True, eps=1e-5, s=8, b=2, h=16, o=24, r=4, sp=True) -> dict:
+    """LoRA on the fake TE LayerNorm-fused base, with and without recompute (``sp=False``: the
+    whole sequence on every rank, the replicated path)."""
     import torch.distributed as dist
     from torch import nn
 
@@ -549,7 +550,7 @@ def te_case(rank, t, strategy, recompute, *, normalization="LayerNorm", zero_cen
 
     enable_megatron_cpu()
     group = dist.group.WORLD
-    base = TELayerNormColumnParallelLinear(h, o, tp_group=group, sequence_parallel=True, eps=eps,
+    base = TELayerNormColumnParallelLinear(h, o, tp_group=group, sequence_parallel=sp, eps=eps,
                                            normalization=normalization, zero_centered_gamma=zero_centered_gamma)
     model = nn.Module()
     model.linear_qkv = base
@@ -559,7 +560,7 @@ def te_case(rank, t, strategy, recompute, *, normalization="LayerNorm", zero_cen
     lora = model.linear_qkv
     g = torch.Generator().manual_seed(11)
     x_full, dy_full = torch.randn(s, b, h, generator=g), torch.randn(s, b, o, generator=g)
-    x = x_full.chunk(t, 0)[rank].clone().requires_grad_(x_grad)
+    x = (x_full.chunk(t, 0)[rank] if sp else x_full).clone().requires_grad_(x_grad)
     dy = dy_full.chunk(t, 2)[rank].clone()
     out = {}
     with CollectiveBytes() as comm:
@@ -588,6 +589,9 @@ def run_te(rank, t) -> dict:
         for strategy in ("gather", "regather", "lowrank"):
             for rc in (False, True):
                 out[(norm, strategy, rc)] = te_case(rank, t, strategy, rc, **kw)
+    for strategy in ("gather", "regather"):  # SP off: every strategy takes the replicated path
+        for rc in (False, True):
+            out[("sp_off", strategy, rc)] = te_case(rank, t, strategy, rc, sp=False)
     for strategy in ("regather", "lowrank"):  # the norm keeps nothing: its input and weights need no grad
         out[("no_x_grad", strategy, True)] = te_case(rank, t, strategy, True, x_grad=False)
         out[("no_x_grad", strategy, False)] = te_case(rank, t, strategy, False, x_grad=False)
