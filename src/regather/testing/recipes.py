@@ -106,6 +106,9 @@ RECIPES = {
                "ad44e777bcd18fa416d9da3bd8f70d33ebb85d39", 4, True),
         Recipe("gpt_oss_20b", "megatron.bridge.recipes.gpt_oss.h100.gpt_oss", "gpt_oss_20b_peft_1gpu_h100_bf16_config",
                "openai/gpt-oss-20b", None, 1, True),
+        # TP 8 with sequence parallelism off, as Bridge's large dense PEFT recipes ship (issue 33)
+        Recipe("llama3_70b", "megatron.bridge.recipes.llama.h100.llama3", "llama3_70b_peft_8gpu_h100_bf16_config",
+               "meta-llama/Meta-Llama-3-70B", None, 8, False),
     )
 }
 
@@ -295,9 +298,11 @@ class Shrink:
     seq_length: int = 64  # raised above the sliding window where there is one
 
 
-def shrink_provider(provider, tp: int, ep: int = 1, shape: Shrink = Shrink()):
-    """Return the recipe's provider shrunk (``shape``) and set up for CPU: TP ``tp`` + SP, EP ``ep``,
-    ETP 1, fp32, local spec (shim 6). Modifies and returns ``provider``."""
+def shrink_provider(provider, tp: int, ep: int = 1, shape: Shrink = Shrink(), sequence_parallel: bool | None = None):
+    """Return the recipe's provider shrunk (``shape``) and set up for CPU: TP ``tp``, SP on when
+    ``tp > 1`` unless ``sequence_parallel`` says otherwise, EP ``ep``, ETP 1, fp32, local spec
+    (shim 6). Modifies and returns ``provider``."""
+    sp = tp > 1 if sequence_parallel is None else bool(sequence_parallel and tp > 1)
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
     heads_per_group = provider.num_attention_heads // (provider.num_query_groups or provider.num_attention_heads)
@@ -308,7 +313,7 @@ def shrink_provider(provider, tp: int, ep: int = 1, shape: Shrink = Shrink()):
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, kv_channels=shape.kv_channels,
         num_query_groups=shape.num_query_groups, num_attention_heads=shape.num_query_groups * heads_per_group,
         ffn_hidden_size=shape.ffn_hidden_size, vocab_size=shape.vocab_size, seq_length=seq,
-        tensor_model_parallel_size=tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp, sequence_parallel=sp, pipeline_model_parallel_size=1,
         context_parallel_size=1, pipeline_dtype=None, virtual_pipeline_model_parallel_size=None,
         params_dtype=torch.float32, bf16=False, fp16=False, transformer_impl="local",
         transformer_layer_spec=local_layer_spec, use_transformer_engine_full_layer_spec=False,

@@ -42,12 +42,16 @@ def lora_fields(peft) -> dict:
     return {f.name: getattr(peft, f.name) for f in dataclasses.fields(BridgeLoRA) if f.init}
 
 
-def make_peft(side: str, fields: dict, targets: list[str], experts_adapted: bool):
+def make_peft(side: str, fields: dict, targets: list[str], experts_adapted: bool, sp_regather: bool = True):
+    """The side's LoRA with the recipe's ``fields``; ``sp_regather``: Bridge's
+    ``sequence_parallel_input_regather=True`` (the TP2 + SP runs), else the recipe's own value."""
     from megatron.bridge.peft.lora import LoRA as BridgeLoRA
 
     import regather.bridge
 
-    kw = {**fields, "target_modules": list(targets), "sequence_parallel_input_regather": True}
+    kw = {**fields, "target_modules": list(targets)}
+    if sp_regather:
+        kw["sequence_parallel_input_regather"] = True
     if side == "bridge":
         return BridgeLoRA(**kw)
     if side == "recompute":
@@ -85,6 +89,7 @@ def features(model, provider) -> dict:
     return {
         "num_layers": len(layers), "hidden": provider.hidden_size, "ffn": provider.ffn_hidden_size,
         "heads": provider.num_attention_heads, "query_groups": provider.num_query_groups,
+        "kv_channels": provider.kv_channels,
         "qk_layernorm": all(getattr(layer.self_attention, "q_layernorm", None) is not None for layer in layers),
         "gated": provider.gated_linear_unit, "activation": provider.activation_func.__name__,
         "clamp": provider.activation_func_clamp_value, "glu_linear_offset": provider.glu_linear_offset,
@@ -100,6 +105,42 @@ def features(model, provider) -> dict:
         "expert_fc1_bias": bool(expert_fc1) and all(getattr(m, "bias", None) is not None for m in expert_fc1),
         "seq_length": provider.seq_length,
     }
+
+
+class AdapterKinds:
+    """Labels what every adapter module saves during its forward ``adapter:<target>`` (``expert
+    <target>`` inside MoE experts) for ``SavedBytes``, on Bridge's adapters and regather's alike
+    (both wrap their adapter as ``<linear>.adapter``); regather's own ``adapter_input:<target>``
+    label inside counts for the same kind. What no adapter saves is the frozen model's."""
+
+    def __init__(self, model):
+        from regather.core import accounting
+
+        self._label, self._open = accounting.label, []
+        for name, m in model.named_modules():
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-1] == "adapter" and parts[-2] in ALL_TARGETS:
+                kind = ("expert " if ".experts." in name else "") + parts[-2]
+                m.register_forward_pre_hook(lambda mod, args, _k=kind: self._enter(_k))
+                m.register_forward_hook(self._exit)
+
+    def _enter(self, kind) -> None:
+        cm = self._label(f"adapter:{kind}")
+        cm.__enter__()
+        self._open.append(cm)
+
+    def _exit(self, module, args, output) -> None:  # None: the output stays the module's
+        self._open.pop().__exit__(None, None, None)
+
+    @staticmethod
+    def split(by_label: dict) -> dict:
+        """``{target kind: bytes, "model": bytes}`` from ``SavedBytes.by_label()``."""
+        out = {"model": by_label.get("other", 0)}
+        for key, n in by_label.items():
+            if key.startswith(("adapter:", "adapter_input:")):
+                kind = key.split(":", 1)[1]
+                out[kind] = out.get(kind, 0) + n
+        return out
 
 
 def run_side(provider, peft, rank: int, base_state: dict | None) -> tuple[dict, dict]:
@@ -119,6 +160,7 @@ def run_side(provider, peft, rank: int, base_state: dict | None) -> tuple[dict, 
     assert isinstance(chunks, list) and len(chunks) == 1
     model = chunks[0]
     names = fill_adapters(model, rank)
+    AdapterKinds(model)
     inputs, labels, position_ids, mask = R.token_batch(provider.vocab_size, MICRO_BATCH, provider.seq_length)
     SavedBytes = saved_bytes_class()
     with SavedBytes.for_model(model) as saved:
@@ -132,6 +174,7 @@ def run_side(provider, peft, rank: int, base_state: dict | None) -> tuple[dict, 
         "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
         "names": names,
         "saved": saved.total,
+        "saved_by_kind": AdapterKinds.split(saved.by_label()),
         "params_to_save": sorted(peft.params_to_save),
         "wrapped": wrapped,
         "regather_wrappers": sorted(n for n, m in model.named_modules() if isinstance(m, regather.LoRALinear)),
@@ -183,4 +226,85 @@ def side_by_side(rank: int, world_size: int, names: list[str]) -> dict:
     for name in names:
         out[name] = recipe_runs(rank, name)
     out["shims"] = R.installed_shims()
+    return out
+
+
+# -- issue 33: the layouts Bridge ships (TP = 1; TP > 1 with SP off) and TorchDynamo on once -------
+
+#: name -> (recipe, TP on the 2 ranks); SP off in both, as the recipes set it
+LAYOUTS = {"qwen3_8b_tp1": ("qwen3_8b", 1), "llama3_70b_tp2": ("llama3_70b", 2)}
+#: the dense recipe whose MLP runs megatron's fused SwiGLU (``bias_activation_fusion``, a ``jit_fuser``)
+DYNAMO_LAYOUT = "llama3_70b_tp2"
+
+
+def layout_runs(rank: int, layout: str, sides=SIDES, target_sets=("recipe", "all")) -> dict:
+    """One shipped layout: the recipe's own LoRA fields and SP setting, shrunk, every side."""
+    from regather.testing import recipes as R
+
+    name, tp = LAYOUTS[layout]
+    start = time.monotonic()
+    cfg = R.RECIPES[name].config()
+    shipped = {"tp": cfg.model.tensor_model_parallel_size, "sp": cfg.model.sequence_parallel,
+               "seq_length": cfg.model.seq_length}
+    R.init_parallel(tp, seed=SEED)
+    provider = R.shrink_provider(cfg.model, tp, sequence_parallel=shipped["sp"])
+    fields = lora_fields(cfg.peft)
+    sets = {"recipe": list(fields["target_modules"]), "all": list(ALL_TARGETS)}
+    out = {"fields": {k: v for k, v in fields.items() if k != "canonical_mapping"}, "shipped": shipped,
+           "layout": {"tp": provider.tensor_model_parallel_size, "sp": provider.sequence_parallel},
+           "features": None, "runs": {}}
+    base_state = None
+    for label in target_sets:
+        if label == "all" and sorted(sets["recipe"]) == sorted(ALL_TARGETS) and "recipe" in out["runs"]:
+            out["runs"]["all"] = out["runs"]["recipe"]
+            continue
+        runs = {}
+        for side in sides:
+            peft = make_peft(side, fields, sets[label], False, sp_regather=False)
+            runs[side], state = run_side(provider, peft, rank, base_state)
+            base_state = base_state or state
+        out["runs"][label] = runs
+    out["features"] = features(R.build_model(provider, seed=SEED), provider)
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def dynamo_run(rank: int) -> dict:
+    """The dense SwiGLU recipe's layout once more with TorchDynamo on (megatron-core 0.19.2's
+    ``jit_fuser`` is ``torch.compile``: the fused SwiGLU and bias-dropout-add compile with Inductor,
+    as on a GPU), Bridge's LoRA against regather's with ``recompute_adapter_inputs``: fc2's input is
+    then rebuilt in backward by calling the compiled activation again, under ``no_grad``."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    dynamo.config.disable = False  # what the recipe tier's shim 5 turned off, back on for this run
+    dynamo.reset()
+    counters.clear()
+    try:
+        out = layout_runs(rank, DYNAMO_LAYOUT, sides=("bridge", "recompute"), target_sets=("all",))
+    finally:
+        dynamo.config.disable = True
+    out["frames"] = {k: dict(v) for k, v in counters.items() if k in ("frames", "stats")}
+    return out
+
+
+def shipped_layouts(rank: int, world_size: int, names: list[str], dynamo: bool = True) -> dict:
+    """Every layout in ``names``, then (``dynamo``) :func:`dynamo_run`, in this one spawn."""
+    import traceback
+
+    from regather.testing import recipes as R
+
+    start = time.monotonic()
+    R.import_bridge()
+    R.enable_recipe_cpu()
+    out = {"import_seconds": time.monotonic() - start, "rank": rank}
+    for name in names:
+        out[name] = layout_runs(rank, name)
+    if dynamo:
+        t0 = time.monotonic()
+        try:
+            out["dynamo"] = dynamo_run(rank)
+        except Exception as exc:  # reported by its own test; the layouts' results stand
+            out["dynamo"] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+        out["dynamo_seconds"] = time.monotonic() - t0
     return out
