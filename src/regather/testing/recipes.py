@@ -36,7 +36,8 @@ there, each shim with its reason (measured with torch 2.13.0+cu130 on CPU, 2026-
    first call (measured here: about 3 s each, a C++ toolchain needed) and again for new token
    counts per expert. TorchDynamo is disabled (what ``TORCHDYNAMO_DISABLE=1`` does), so they
    run eagerly: the same operations, on every side alike.
-6. **What needs TE or a GPU** (:func:`without_gpu_kernels`, :func:`shrink_provider`): the
+6. **What needs TE or a GPU** (:func:`without_gpu_kernels`, :func:`shrink_provider`): Llama's
+   fused RoPE (``apply_rope_fusion=False``: ``validate()`` asks for TE >= 1.4), the
    MoE recipes' fused permutation (``moe_permute_fusion=False``; with it, ``validate()`` raises
    without TE) and ``flex`` dispatcher (DeepEP; ``validate()`` queries the GPU; ``alltoall``
    instead, what the recipes set before ``apply_flex_dispatcher_backend``); for the model,
@@ -266,11 +267,15 @@ def init_parallel(tp: int, ep: int = 1, seed: int = 1234) -> None:
 
 def without_gpu_kernels(model_cfg) -> dict:
     """Shim 6, on a recipe's model config: the kernel choices that need Transformer Engine or a GPU
-    replaced by megatron's portable ones, nothing else: ``moe_permute_fusion`` (TE; without TE
+    replaced by megatron's portable ones, nothing else: ``apply_rope_fusion`` (TE >= 1.4, or
+    ``validate()`` raises; Llama's provider turns it on), ``moe_permute_fusion`` (TE; without TE
     ``validate()`` raises "fused permutation is not available") and the ``flex`` dispatcher
     (DeepEP; ``validate()`` reads ``torch.cuda.get_device_properties``) becomes ``alltoall``, the
     dispatcher the MoE recipes set before ``apply_flex_dispatcher_backend``. Returns what changed."""
     changed = {}
+    if getattr(model_cfg, "apply_rope_fusion", False):  # Llama's provider sets it; validate() wants TE >= 1.4
+        changed["apply_rope_fusion"] = (True, False)
+        model_cfg.apply_rope_fusion = False
     if getattr(model_cfg, "moe_permute_fusion", False):
         changed["moe_permute_fusion"] = (True, False)
         model_cfg.moe_permute_fusion = False
