@@ -215,14 +215,22 @@ def recipe_runs(rank: int, name: str) -> dict:
     return out
 
 
-def side_by_side(rank: int, world_size: int, names: list[str]) -> dict:
-    """Every recipe in ``names`` in this one spawn (imports are the expensive part)."""
+def bridge_ready(rank: int) -> dict:
+    """Bridge imported with the recipe tier's shims (the expensive part of a spawn); the rank's
+    record so far."""
     from regather.testing import recipes as R
 
     start = time.monotonic()
     R.import_bridge()
     R.enable_recipe_cpu()
-    out = {"import_seconds": time.monotonic() - start, "rank": rank}
+    return {"import_seconds": time.monotonic() - start, "rank": rank}
+
+
+def side_by_side(rank: int, world_size: int, names: list[str]) -> dict:
+    """Every recipe in ``names`` in this one spawn (imports are the expensive part)."""
+    from regather.testing import recipes as R
+
+    out = bridge_ready(rank)
     for name in names:
         out[name] = recipe_runs(rank, name)
     out["shims"] = R.installed_shims()
@@ -292,12 +300,7 @@ def shipped_layouts(rank: int, world_size: int, names: list[str], dynamo: bool =
     """Every layout in ``names``, then (``dynamo``) :func:`dynamo_run`, in this one spawn."""
     import traceback
 
-    from regather.testing import recipes as R
-
-    start = time.monotonic()
-    R.import_bridge()
-    R.enable_recipe_cpu()
-    out = {"import_seconds": time.monotonic() - start, "rank": rank}
+    out = bridge_ready(rank)
     for name in names:
         out[name] = layout_runs(rank, name)
     if dynamo:
