@@ -1,6 +1,6 @@
 """torchtitan's ``LoRALinear`` with LoRA-A run through regather's paths.
 
-A regather adapter *is* torchtitan's LoRA class for its base (``_get_lora_cls(Linear)``: the same
+A regather adapter *is* torchtitan's LoRA class for its base (:func:`.compat.titan_lora_class`: the same
 ``__init__``, children ``lora_a`` / ``lora_b``, initialisation, TP placements and parameter names)
 with one method more: LoRA-A. Its forward is torchtitan's::
 
@@ -55,7 +55,7 @@ from regather.core.strategies import Strategy
 from regather.core.strategies.paths import PathArgs, lookup
 from regather.core.strategies.regather import RegatherSlot
 from regather.core.strategies.shared_gather import SharedGather
-from regather.torchtitan import reasons
+from regather.torchtitan import compat, reasons
 from regather.torchtitan.layout import COLUMN, ROW, base_layout, data_of
 from regather.torchtitan.options import Options
 from regather.torchtitan.pairing import Gathered
@@ -76,7 +76,7 @@ def _wrap(local: torch.Tensor, mesh, placement, grad_placement) -> DTensor:
                               grad_placements=[grad_placement])
 
 
-class RegatherLoRA:
+class LoRAAdapter:
     """The regather half of a LoRA linear (mixed into torchtitan's LoRA class, or into
     ``nn.Linear`` by :func:`regather.torchtitan.hand.apply_lora`). Attached by
     :func:`regather.torchtitan.model.attach`: ``site`` (where its gathered input is recorded),
@@ -85,7 +85,7 @@ class RegatherLoRA:
     regather_base_forward = None  # the base linear's forward (set by the class factory)
 
     def init_regather(self, options: Options) -> None:
-        self.regather = options
+        self.options = options
         self.attached = False
         self.site = None
         self.norms: list = []
@@ -99,7 +99,7 @@ class RegatherLoRA:
     # -- decisions -------------------------------------------------------------------------
     def wants_anchor(self) -> bool:
         """This forward will regather early if it can (asked by the gather site)."""
-        return (self.regather.strategy == Strategy.REGATHER and self.regather.early_regather
+        return (self.options.strategy == Strategy.REGATHER and self.options.early_regather
                 and saves_for_backward(self) and base_layout(self.weight, self.lora_a.weight)[0] == COLUMN)
 
     def decide(self) -> Decision:
@@ -108,12 +108,12 @@ class RegatherLoRA:
         return self._plan(None).decision
 
     def _plan(self, x: torch.Tensor | None) -> Plan:
-        asked = self.regather.strategy
+        asked = self.options.strategy
         fallback = None if asked == Strategy.GATHER else asked
 
         def gather(reason=None, layout=None, recompute_reason=None) -> Plan:
             decision = Decision(asked, Strategy.GATHER, reason if fallback else None)
-            if self.regather.recompute_adapter_inputs and recompute_reason is not None:
+            if self.options.recompute_adapter_inputs and recompute_reason is not None:
                 decision = replace(decision, recompute_reason=recompute_reason)
             return Plan(decision, layout=layout)
 
@@ -125,7 +125,7 @@ class RegatherLoRA:
             return gather(why, recompute_reason=why)
         if layout == ROW:
             plan = gather(reasons.ROW, ROW)
-            if self.regather.recompute_adapter_inputs and x is not None:
+            if self.options.recompute_adapter_inputs and x is not None:
                 self._recompute_row(plan, x)
             return plan
         if fallback is None:
@@ -138,7 +138,7 @@ class RegatherLoRA:
         plan.gathered, why = self.site.find(x)
         if why is not None:
             return gather(why, COLUMN, reasons.GATHER_KEEPS)
-        if self.regather.recompute_adapter_inputs:
+        if self.options.recompute_adapter_inputs:
             self._recompute_shard(plan, plan.gathered.shard)
         return plan
 
@@ -184,8 +184,9 @@ class RegatherLoRA:
     # -- forward ---------------------------------------------------------------------------
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         base_out = type(self).regather_base_forward(self, input)
-        lora_out = self.lora_b(self._lora_a(input))
-        out = base_out + self._lora_scaling * lora_out
+        with compat.unseen_by_selective_checkpoint():  # LoRA must not shift the op policy's matmul count
+            lora_out = self.lora_b(self._lora_a(input))
+        out = base_out + compat.lora_scaling(self) * lora_out
         slot, self._slot = self._slot, None
         if slot is not None and out.requires_grad:
             out.register_hook(slot.on_output_grad)  # early re-gather: start when dout arrives
@@ -242,4 +243,4 @@ def regather_class(lora_cls: type, base_forward, namespace: dict | None = None) 
     ``namespace`` adds members (a torchtitan ``Config``). Callers make one per base class."""
     name = f"Regather{lora_cls.__name__}"
     body = {"regather_base_forward": base_forward, "__qualname__": name, "__module__": __name__}
-    return type(name, (RegatherLoRA, lora_cls), dict(body, **(namespace or {})))
+    return type(name, (LoRAAdapter, lora_cls), dict(body, **(namespace or {})))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 from torchtitan.components import lora as titan_lora
 
 from regather.core.strategies import Strategy
+from regather.torchtitan import compat
 from regather.torchtitan.adapter import regather_class
 from regather.torchtitan.model import attach
 from regather.torchtitan.options import Options, check_lora, options
@@ -40,7 +41,7 @@ def lora_class(base_cls: type) -> type:
     """The regather LoRA class for a torchtitan base linear class (``Linear``, ``Float8Linear``)."""
     if base_cls in _lora_classes:
         return _lora_classes[base_cls]
-    titan_cls = titan_lora._get_lora_cls(base_cls)
+    titan_cls = compat.titan_lora_class(base_cls)
 
     @dataclass(kw_only=True, slots=True)
     class Config(titan_cls.Config):
@@ -103,9 +104,10 @@ class LoRAConverter(titan_lora.LoRAConverter):
         super().__init__(config, **kwargs)
         self.options = config.options()
 
-    def _make_lora_config(self, cfg):
-        """torchtitan's LoRA config for ``cfg``, of the regather class (overrides torchtitan's)."""
-        cls = lora_class(cfg._owner)
+    def lora_config(self, cfg):
+        """torchtitan's LoRA config for the linear config ``cfg``, of the regather class (torchtitan's
+        converter calls it for each target: :func:`.compat.override_make_lora_config`)."""
+        cls = lora_class(compat.config_owner(cfg))
         opts = self.options
         return cls.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init},
                           rank=self.rank, alpha=self.alpha, strategy=opts.strategy.value,
@@ -113,3 +115,6 @@ class LoRAConverter(titan_lora.LoRAConverter):
 
     def convert(self, model_config):
         return _attaching_root(super().convert(model_config))
+
+
+compat.override_make_lora_config(LoRAConverter, LoRAConverter.lora_config)

@@ -26,7 +26,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from regather.torchtitan.adapter import RegatherLoRA, regather_class
+from regather.torchtitan import compat
+from regather.torchtitan.adapter import LoRAAdapter, regather_class
 from regather.torchtitan.model import attach
 from regather.torchtitan.options import check_lora, options
 
@@ -73,9 +74,9 @@ def apply_lora(model: nn.Module, target_modules: list[str] | None = None, *, ran
         lora_b = _lora_linear(rank, linear.out_features, True, weight, b_place)
         linear.__class__ = _hand_class(nn.Linear)
         linear.lora_a, linear.lora_b = lora_a, lora_b
-        linear._lora_scaling = alpha / rank
+        compat.set_lora_scaling(linear, alpha / rank)
         linear.init_regather(opts)
-    lora = {id(p) for m in model.modules() if isinstance(m, RegatherLoRA)
+    lora = {id(p) for m in model.modules() if isinstance(m, LoRAAdapter)
             for p in (m.lora_a.weight, m.lora_b.weight)}
     for p in model.parameters():
         p.requires_grad_(id(p) in lora)

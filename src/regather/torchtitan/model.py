@@ -18,15 +18,16 @@ from torch import nn
 from regather.core import fallback_log
 from regather.core.decision import Decision
 from regather.core.strategies import Strategy
-from regather.torchtitan.adapter import RegatherLoRA
+from regather.torchtitan import compat
+from regather.torchtitan.adapter import LoRAAdapter
 from regather.torchtitan.options import Options
 from regather.torchtitan.pairing import watch_colwise_input, watch_redistribution
 from regather.torchtitan.producers import norms_near
 
 
-def adapters(model: nn.Module) -> dict[str, RegatherLoRA]:
+def adapters(model: nn.Module) -> dict[str, LoRAAdapter]:
     """Every regather adapter of ``model``, by module path (``layers.0.attention.qkv_linear.wqkv``)."""
-    return {path: m for path, m in model.named_modules() if isinstance(m, RegatherLoRA)}
+    return {path: m for path, m in model.named_modules() if isinstance(m, LoRAAdapter)}
 
 
 def decisions(model: nn.Module) -> dict[str, Decision]:
@@ -41,7 +42,7 @@ def set_strategy(model: nn.Module, strategy: Strategy | str) -> None:
     The switch takes effect with the next forward."""
     strategy = Strategy.parse(strategy)
     for a in adapters(model).values():
-        a.regather = Options(strategy, a.regather.early_regather, a.regather.recompute_adapter_inputs)
+        a.options = Options(strategy, a.options.early_regather, a.options.recompute_adapter_inputs)
         a.last_decision = None
 
 
@@ -51,7 +52,7 @@ def _gathering_ancestor(modules: dict, path: str):
     parts = path.split(".")
     for i in range(len(parts) - 1, 0, -1):
         module = modules[".".join(parts[:i])]
-        config = getattr(module, "_sharding_config", None)
+        config = compat.sharding_config(module)
         if config is not None and getattr(config, "in_dst_shardings", None):
             return module
     return None
@@ -75,7 +76,7 @@ def attach(model: nn.Module, by_hand: bool = False) -> nn.Module:
             adapter.site = watch_redistribution(owner) if owner is not None else None
         if adapter.site is not None:
             adapter.site.members.append(adapter)
-        if adapter.regather.recompute_adapter_inputs:
+        if adapter.options.recompute_adapter_inputs:
             adapter.norms = norms_near(modules, path)
     fallback_log.attach(model, found.values())
     return model

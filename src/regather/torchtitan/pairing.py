@@ -34,7 +34,7 @@ import torch
 
 from regather.core.strategies.shared_anchor import AnchorMembers, anchor_shared
 from regather.core.strategies.shared_gather import SharedGather
-from regather.torchtitan import reasons
+from regather.torchtitan import compat, reasons
 from regather.torchtitan.layout import same_view, sequence_gather_dim
 from regather.torchtitan.runstate import in_checkpoint
 
@@ -92,17 +92,19 @@ def watch_redistribution(module) -> GatherSite:
     if site is not None:
         return site
     site = GatherSite()
-    redistribute = module._redistribute_inputs
 
-    def redistribute_inputs(parallel_dims, args, kwargs):
-        # torchtitan hands positional inputs back in their order and keyword inputs by name
-        site.clear()
-        new_args, new_kwargs = redistribute(parallel_dims, args, kwargs)
-        new_args = tuple(site.record(old, new) for old, new in zip(args, new_args)) + tuple(new_args[len(args):])
-        new_kwargs = {name: site.record(kwargs.get(name), value) for name, value in new_kwargs.items()}
-        return new_args, new_kwargs
+    def recording(redistribute):
+        def redistribute_inputs(parallel_dims, args, kwargs):
+            # torchtitan hands positional inputs back in their order and keyword inputs by name
+            site.clear()
+            new_args, new_kwargs = redistribute(parallel_dims, args, kwargs)
+            new_args = tuple(site.record(old, new) for old, new in zip(args, new_args)) + tuple(new_args[len(args):])
+            new_kwargs = {name: site.record(kwargs.get(name), value) for name, value in new_kwargs.items()}
+            return new_args, new_kwargs
 
-    module._redistribute_inputs = redistribute_inputs
+        return redistribute_inputs
+
+    compat.wrap_input_redistribution(module, recording)
     module.register_forward_hook(site.clear, always_call=True)
     module._regather_gather_site = site
     return site
