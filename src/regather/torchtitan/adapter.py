@@ -62,6 +62,7 @@ from regather.torchtitan.pairing import Gathered
 from regather.torchtitan.producers import SWIGLU, already_saved_by
 from regather.torchtitan.rebuilt import rebuilt_row_lora_a
 from regather.torchtitan.runstate import moment_reason, saves_for_backward
+from regather.torchtitan.traced import traced_decision, traced_lora_a
 
 
 def _partial_grad(mesh):
@@ -95,6 +96,7 @@ class LoRAAdapter:
         self._verified: set = set()
         self._logged: set = set()
         self._slot = None
+        self.traced = False  # set by a traced forward (regather.torchtitan.traced)
 
     # -- decisions -------------------------------------------------------------------------
     def wants_anchor(self) -> bool:
@@ -104,7 +106,10 @@ class LoRAAdapter:
 
     def decide(self) -> Decision:
         """What this adapter would do if called now, as far as is known without its input (its
-        pairing with a gather and its producers are checked by each forward: ``last_decision``)."""
+        pairing with a gather and its producers are checked by each forward: ``last_decision``);
+        once it ran traced (``torch.compile``), what its traced forward runs."""
+        if self.traced:
+            return traced_decision(self, self.training, True)
         return self._plan(None).decision
 
     def _plan(self, x: torch.Tensor | None) -> Plan:
@@ -193,6 +198,8 @@ class LoRAAdapter:
         return out
 
     def _lora_a(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return traced_lora_a(self, x)
         plan = self._plan(x)
         self.last_decision = plan.decision
         self._log(plan.decision)

@@ -33,8 +33,9 @@ def adapters(model: nn.Module) -> dict[str, LoRAAdapter]:
 def decisions(model: nn.Module) -> dict[str, Decision]:
     """What each adapter decided in its last forward; for one that has not run yet, what it would
     decide from what is known without its input (its pairing with this forward's gather and its
-    producers are checked by every forward)."""
-    return {path: a.last_decision or a.decide() for path, a in adapters(model).items()}
+    producers are checked by every forward); for one that ran traced (``torch.compile``), what its
+    traced forward runs (:func:`regather.torchtitan.traced.traced_decision`)."""
+    return {path: a.decide() if a.traced else (a.last_decision or a.decide()) for path, a in adapters(model).items()}
 
 
 def set_strategy(model: nn.Module, strategy: Strategy | str) -> None:

@@ -45,3 +45,8 @@ SWIGLU_NOT_REPRODUCED = "multiplying the SwiGLU operands again does not reproduc
 ALREADY_SAVED = "its input is already saved by {node} (kept: no bytes added)"  # INFO: expected(...format())
 NOT_KEPT = "nothing before it keeps its input (row-parallel input other than the SwiGLU product)"
 NORM_KEEPS_NOTHING = f"the norm: {NOTHING_KEPT}"
+
+# torch.compile: the traced forward (regather.torchtitan.traced)
+LOWRANK_TRACED = "lowrank has no traced path yet (torch.compile): the gather path runs"
+RECOMPUTE_TRACED = expected("under torch.compile the partitioner decides what the forward saves: the traced "
+                            "regather keeps the sequence shard it gathers again, not a producer's input")
