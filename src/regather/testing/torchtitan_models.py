@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from regather.core import accounting
 from regather.core.accounting import CollectiveBytes, SavedBytes
+from regather.core.allocated import AllocatedBytes
 from regather.core.shapes import ModelShape
 from regather.testing.torchtitan_cpu import enable_torchtitan_cpu
 from regather.torchtitan import reasons
@@ -211,12 +212,14 @@ def loss_of(pred, labels):
 
 def step(model, count: bool = True, dtype=None, shape: TinyLlama3 = DEFAULT, seed: int = 1234):
     """One forward (bytes and collectives counted) and backward. Returns the loss, the saved bytes
-    of the model's forward, and the collective calls and bytes of forward and backward."""
+    of the model's forward, and the collective calls and bytes of forward and backward, with the
+    allocator's bytes alive at the end of the forward (``alive``: what checkpoints and compiled graphs
+    keep, which saved-tensor hooks do not see)."""
     cast = dtype or torch.float32
     hook = model.tok_embeddings.register_forward_hook(lambda m, a, out: out.detach().to(cast).requires_grad_(True))
     inp, labels = tokens(shape, seed)
     try:
-        with CollectiveBytes(functional=True) as fwd, SavedBytes.for_model(model) as saved:
+        with CollectiveBytes(functional=True) as fwd, SavedBytes.for_model(model) as saved, AllocatedBytes() as alloc:
             pred = model(inp, positions(shape))
     finally:
         hook.remove()
@@ -224,7 +227,7 @@ def step(model, count: bool = True, dtype=None, shape: TinyLlama3 = DEFAULT, see
     with CollectiveBytes(functional=True) as bwd:
         loss.backward()
     return loss.detach(), saved, dict(fwd=dict(fwd.calls), bwd=dict(bwd.calls), fwd_bytes=dict(fwd.bytes),
-                                      bwd_bytes=dict(bwd.bytes))
+                                      bwd_bytes=dict(bwd.bytes), alive=alloc.alive)
 
 
 def lora_grads(model) -> dict:

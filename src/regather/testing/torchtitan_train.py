@@ -52,6 +52,8 @@ class TitanRun:
     lr: float = 8e-4
     max_norm: float = 1.0  # torchtitan's default clip
     seed: int = 1234
+    ac: str = "none"        # torchtitan's activation checkpointing: none, selective (SelectiveAC), full (FullAC)
+    compile: bool = False   # torchtitan's apply_compile: each block, fullgraph=True, inductor
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -62,9 +64,31 @@ class TitanRun:
         kw = dict(rank=self.lora_rank, alpha=float(self.lora_alpha), target_modules=list(self.targets))
         conv = M.converter(None, **dict(kw, target_modules=[])) if name is None else \
             M.converter(variant_fields(name), **kw)
-        model = M.build(M.model_config(conv, shape=self.shape), pd, dtype=self.torch_dtype)
+        model = M.build(M.model_config(conv, shape=self.shape), pd, parallelize=self.parallelize(pd),
+                        dtype=self.torch_dtype)
         M.label_adapter_inputs(model)
         return model
+
+    def parallelize(self, pd):
+        """torchtitan's ``Module.parallelize``, then its activation checkpointing or compile as asked
+        (the trainer's order), or None (``build``'s default) for neither."""
+        if self.ac == "none" and not self.compile:
+            return None
+
+        def parallelize(model):
+            model.parallelize(pd)
+            if self.ac != "none":
+                from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+                (SelectiveAC if self.ac == "selective" else FullAC).Config().build().apply(model)
+            if self.compile:
+                from torchtitan.config import CompileConfig
+                from torchtitan.distributed.compile import apply_compile
+
+                apply_compile(model, compile_config=CompileConfig(enable=True, backend="inductor"), parallel_dims=pd)
+            return model
+
+        return parallelize
 
 
 def optimizers(model, lr: float):
@@ -93,7 +117,7 @@ def _counted(model, opts, run: TitanRun, step: int) -> tuple[float, dict]:
     with CollectiveBytes(functional=True) as opt:
         clip_and_step(model, opts, run.max_norm)
     return _scalar(loss), {
-        "saved_bytes": saved.total, "saved_bytes_by_label": saved.by_label(),
+        "saved_bytes": saved.total, "saved_bytes_by_label": saved.by_label(), "allocated_bytes": comm["alive"],
         "comm_bytes": {"forward": comm["fwd_bytes"], "backward": comm["bwd_bytes"], "optimizer": dict(opt.bytes)},
         "comm_calls": {"forward": comm["fwd"], "backward": comm["bwd"], "optimizer": dict(opt.calls)},
     }
@@ -123,11 +147,19 @@ def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[
 
     pd = M.parallel_dims(tp=run.tp)
     frozen = run.build(None, pd)
-    _, saved, _ = M.step(frozen, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
-    out = {"frozen": {"saved_bytes": saved.total, "saved_bytes_by_label": saved.by_label()}}
+    if run.compile:  # compiled on a first step, not counted (the compiler's own allocations)
+        M.step(frozen, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
+    _, saved, comm = M.step(frozen, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
+    out = {"frozen": {"saved_bytes": saved.total, "saved_bytes_by_label": saved.by_label(),
+                      "allocated_bytes": comm["alive"]}}
     del frozen
     models = {name: run.build(name, pd) for name in variants}
     opts = {name: optimizers(model, run.lr) for name, model in models.items()}
+    if run.compile:
+        for model in models.values():
+            M.step(model, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
+            for p in model.parameters():
+                p.grad = None
     for name in variants:
         out[name] = {"loss": [], "step_time": []}
     for step in range(run.steps):

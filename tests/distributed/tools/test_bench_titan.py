@@ -20,6 +20,7 @@ if torchtitan_models.missing():
 
 from regather.tools import cli
 from regather.tools.bench import cli as bench_cli
+from regather.tools.bench import titan_report
 from regather.tools.bench.cli import spec_from_args
 from regather.tools.bench.titan import TitanBenchSpec
 from regather.tools.estimate import Model, Run
@@ -194,6 +195,18 @@ def test_command_line_refusals():
     spec = spec_from_args(_args(["--strategies", "regather,lowrank-recompute"]))
     assert isinstance(spec, TitanBenchSpec) and spec.targets == ("wqkv", "wo", "w1", "w2", "w3")
     assert spec.strategies == ("regather", "lowrank-recompute")
+    assert (spec.ac, spec.compile) == ("none", False)
+    spec = spec_from_args(_args(["--ac", "selective"]))
+    assert (spec.ac, spec.compile, spec.run_config().ac) == ("selective", False, "selective")
+    assert "--ac selective" in titan_report.command_line(spec.__dict__ | {"strategies": ("torchtitan",)})
+    with pytest.raises(SystemExit, match="--compile with --ac full: torchtitan's own compiled blocks fail"):
+        spec_from_args(_args(["--compile", "--ac", "full"]))
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        spec_from_args(_args(["--ac", "everything"]))
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    with pytest.raises(SystemExit, match="--ac, --compile: torchtitan models only"):
+        spec_from_args(parser.parse_args(["bench", "--ac", "selective", "--compile"]))
 
 
 def _args(extra):

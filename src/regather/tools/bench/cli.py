@@ -108,6 +108,10 @@ def register(subparsers) -> None:
                    help="torchtitan 0.3.0's llama3 under its own sharding config (TP + SP, partial_dtensor): torchtitan's "
                         "LoRAConverter (variant torchtitan) against regather's (default: all of gather, regather, "
                         "regather-plain, lowrank and their -recompute variants); bytes per adapter kind")
+    t.add_argument("--ac", choices=("none", "selective", "full"), default="none",
+                   help="torchtitan's activation checkpointing on every block: SelectiveAC or FullAC (default configs)")
+    t.add_argument("--compile", action="store_true",
+                   help="torchtitan's apply_compile (each block, fullgraph=True, inductor); bytes: the allocator's")
     p.set_defaults(func=main)
 
 
@@ -116,6 +120,10 @@ def spec_from_args(args) -> BenchSpec:
 
     if getattr(args, "torchtitan", False):
         return titan_spec_from_args(args)
+    titan_only = [f for f, on in (("--ac", getattr(args, "ac", "none") != "none"),
+                                  ("--compile", getattr(args, "compile", False))) if on]
+    if titan_only:
+        raise SystemExit(f"regather bench: {', '.join(titan_only)}: torchtitan models only (--torchtitan)")
     if getattr(args, "moe", False):
         return moe_spec_from_args(args)
     dm = MoEBenchSpec()
@@ -171,7 +179,7 @@ def titan_spec_from_args(args) -> TitanBenchSpec:
                           kv_heads=args.kv_heads, tp=args.tp, seq=args.seq, micro_batch=args.micro_batch,
                           dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, targets=targets,
                           steps=args.steps, warmup=args.warmup, strategies=tuple(args.strategies or ()),
-                          timeout=args.timeout, quiet=args.quiet)
+                          timeout=args.timeout, quiet=args.quiet, ac=args.ac, compile=args.compile)
     problems = spec.problems()
     if problems:
         raise SystemExit("regather bench --torchtitan: " + "; ".join(problems))

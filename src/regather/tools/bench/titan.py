@@ -41,6 +41,8 @@ from regather.torchtitan.reasons import TARGETS
 #: torchtitan's llama3 linears, the adapter kinds (every one adapted by default)
 TITAN_TARGETS = TARGETS
 PHASES = ("forward", "backward", "optimizer")
+#: --ac: torchtitan's activation checkpointing policies (none, SelectiveAC, FullAC; default configs)
+AC_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class TitanBenchSpec(BenchSpec):
 
     targets: tuple = TITAN_TARGETS
     lr: float = 8e-4
+    ac: str = "none"
+    compile: bool = False
 
     def problems(self) -> list[str]:
         """Every reason this spec cannot run (empty: it can)."""
@@ -70,6 +74,11 @@ class TitanBenchSpec(BenchSpec):
             out.append(f"--hidden {self.hidden} / --heads {self.heads} must be an even head dimension (rope)")
         if self.heads % (self.kv_heads or self.heads):
             out.append(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}")
+        if self.ac not in AC_MODES:
+            out.append(f"--ac {self.ac}: expected one of {', '.join(AC_MODES)}")
+        if self.compile and self.ac != "none":
+            out.append(f"--compile with --ac {self.ac}: torchtitan's own compiled blocks fail with activation "
+                       "checkpointing on CPU (docs/torchtitan.md)")
         if self.canonical or self.moe:
             out.append("--canonical and MoE models are not measured by the torchtitan bench")
         if self.steps <= self.warmup:
@@ -89,7 +98,7 @@ class TitanBenchSpec(BenchSpec):
                            ffn=self.ffn, vocab=self.vocab, seq=self.seq, micro_batch=self.micro_batch)
         return TitanRun(shape=shape, tp=self.tp, dtype=self.dtype, lora_rank=self.lora_rank,
                         lora_alpha=float(self.lora_alpha), targets=tuple(self.targets), steps=self.steps, lr=self.lr,
-                        seed=self.seed)
+                        seed=self.seed, ac=self.ac, compile=self.compile)
 
 
 def titan_rank(rank: int, world_size: int, spec: TitanBenchSpec) -> dict:
@@ -154,7 +163,7 @@ def _minus(a: dict, b: dict) -> dict:
     return {k: a.get(k, 0) - b.get(k, 0) for k in sorted(set(a) | set(b)) if a.get(k, 0) != b.get(k, 0)}
 
 
-def _row(results: list, frozen: int, spec: TitanBenchSpec) -> dict:
+def _row(results: list, frozen: int, frozen_allocated: int, spec: TitanBenchSpec) -> dict:
     """One variant's measurements (``results``: its dict on each rank)."""
     r0 = results[0]
     kinds = by_kind(r0["saved_bytes_by_label"])
@@ -167,6 +176,8 @@ def _row(results: list, frozen: int, spec: TitanBenchSpec) -> dict:
         "adapter_input_by_kind": kinds,
         "adapter_input_bytes": sum(kinds.values()),
         "lora_bytes_over_frozen": int(r0["saved_bytes"]) - frozen,
+        "allocated_bytes": int(r0["allocated_bytes"]),
+        "allocated_over_frozen": int(r0["allocated_bytes"]) - frozen_allocated,
         "comm_bytes": comm,
         "comm_calls": r0["comm_calls"],
         "comm_bytes_total": _total(comm),
@@ -202,7 +213,8 @@ def summarise(per_rank: list, spec: TitanBenchSpec) -> dict:
     from regather.torchtitan.options import BASELINE, base_variant
 
     frozen = int(per_rank[0]["frozen"]["saved_bytes"])
-    rows = {name: _row([r[name] for r in per_rank], frozen, spec) for name in spec.strategies}
+    frozen_allocated = int(per_rank[0]["frozen"]["allocated_bytes"])
+    rows = {name: _row([r[name] for r in per_rank], frozen, frozen_allocated, spec) for name in spec.strategies}
     ref, ref_grads = rows[BASELINE], per_rank[0][BASELINE]["grads"]
     for name, row in rows.items():
         _parity(row, ref, per_rank[0][name]["grads"], ref_grads)
@@ -214,5 +226,6 @@ def summarise(per_rank: list, spec: TitanBenchSpec) -> dict:
             step_time_ratios(row, rows[base], "base", spec.warmup)
     return {"mode": "torchtitan", "spec": asdict(spec), "baseline": BASELINE,
             "frozen": {"saved_bytes": frozen, "saved_bytes_by_label": per_rank[0]["frozen"]["saved_bytes_by_label"],
+                       "allocated_bytes": frozen_allocated,
                        "same_on_all_ranks": all(r["frozen"]["saved_bytes"] == frozen for r in per_rank)},
             "strategies": rows}

@@ -15,7 +15,8 @@ from regather.tools.bench.titan import PHASES, TITAN_TARGETS
 def command_line(spec: dict, out: str | None = None) -> str:
     """The full ``regather bench --torchtitan`` command that reproduces ``spec``."""
     rest = report.command_line(spec, out)[len("regather bench "):]
-    return "regather bench --torchtitan " + rest
+    extra = ([f"--ac {spec['ac']}"] if spec.get("ac", "none") != "none" else []) + (["--compile"] if spec.get("compile") else [])
+    return " ".join(["regather bench --torchtitan", *extra, rest])
 
 
 def _unit(summary: dict) -> tuple[str, float]:
@@ -44,6 +45,11 @@ def bytes_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
         rows.append([name] + [report.scaled(by.get(k, 0), scale) for k in ks]
                     + [report.scaled(r["adapter_input_bytes"], scale), report.scaled(r["lora_bytes_over_frozen"], scale),
                        report.scaled(r["saved_bytes"], scale)])
+    if "allocated_bytes" in summary["frozen"]:  # summaries before --ac / --compile have no allocator column
+        head.append(f"LoRA over frozen, allocator {unit}")
+        rows[0].append(report.scaled(0, scale))
+        for row, (_, r) in zip(rows[1:], report.ordered(summary)):
+            row.append(report.scaled(r["allocated_over_frozen"], scale))
     return head, rows
 
 
@@ -105,7 +111,13 @@ def spec_line(spec: dict) -> str:
             f"ffn {spec['ffn']}, vocab {spec['vocab']}; its sharding config, TP={spec['tp']} + SP, partial_dtensor; "
             f"seq {spec['seq']}, batch {spec['micro_batch']}, {spec['dtype']}, LoRA rank {spec['lora_rank']} alpha "
             f"{spec['lora_alpha']} on {', '.join(spec['targets'])}; {spec['steps']} steps (torchtitan's "
-            f"clip_grad_norm_ and AdamW, lr {spec['lr']}), first {spec['warmup']} not timed")
+            f"clip_grad_norm_ and AdamW, lr {spec['lr']}), first {spec['warmup']} not timed{_settings(spec)}")
+
+
+def _settings(spec: dict) -> str:
+    ac = {"selective": "torchtitan's SelectiveAC", "full": "torchtitan's FullAC"}.get(spec.get("ac", "none"))
+    done = ([ac] if ac else []) + (["apply_compile (each block, fullgraph, inductor)"] if spec.get("compile") else [])
+    return "; " + ", ".join(done) if done else ""
 
 
 def header(summary: dict) -> list[str]:
