@@ -77,6 +77,10 @@ def _wrap(local: torch.Tensor, mesh, placement, grad_placement) -> DTensor:
                               grad_placements=[grad_placement])
 
 
+#: what a gather adapter without recompute_adapter_inputs decides in every forward
+GATHER_ONLY = Decision(Strategy.GATHER, Strategy.GATHER, None)
+
+
 class LoRAAdapter:
     """The regather half of a LoRA linear (mixed into torchtitan's LoRA class, or into
     ``nn.Linear`` by :func:`regather.torchtitan.hand.apply_lora`). Attached by
@@ -200,6 +204,11 @@ class LoRAAdapter:
     def _lora_a(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return traced_lora_a(self, x)
+        if self.options.strategy is Strategy.GATHER and not self.options.recompute_adapter_inputs:
+            # the gather path decides nothing: the same decision in every moment and layout
+            self.last_decision = GATHER_ONLY
+            with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.log_name.rsplit('.', 1)[-1]}"):
+                return self.lora_a(x)
         plan = self._plan(x)
         self.last_decision = plan.decision
         self._log(plan.decision)
