@@ -63,6 +63,9 @@ class HookedProducer:
 
     def _seen(self, module, args, result):
         out = self.output_of(result)
+        if torch.compiler.is_compiling():  # a traced forward rebuilds nothing (its partitioner decides)
+            self._clear()
+            return
         if not (torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor)
                 and isinstance(out, torch.Tensor)):
             self._clear()
