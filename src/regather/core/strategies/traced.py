@@ -16,9 +16,9 @@ backward  ``x_full = wait_tensor(all_gather_tensor(shard, seq_dim))`` (functiona
           ``dA = dmidᵀ x_full``
 ========= =========================================================================
 
-The shard is cut from the gathered input by an op (``regather::sequence_block``) tagged "must
-save" through selective checkpointing's op list: the min-cut partitioner may otherwise recompute
-it in backward from ``x_full`` and keep ``x_full`` (measured with inductor: torchtitan's bytes).
+What crosses to the backward is the compiler's choice too: run eagerly (or by Dynamo without AOT
+autograd) the Function keeps the shard; under AOT autograd (``aot_eager``, inductor) the
+partitioner was measured keeping ``x_full`` instead (torchtitan's bytes; docs/torchtitan.md).
 
 No pool, no shared gather, no early start by a hook: where the backward gather runs relative to
 the neighbouring GEMMs is the compiler's choice (Inductor may move the ``wait`` down to the first
@@ -29,22 +29,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-
-@torch.library.custom_op("regather::sequence_block", mutates_args=())
-def sequence_block(x: torch.Tensor, world: int, rank: int, seq_dim: int) -> torch.Tensor:
-    """Block ``rank`` of ``world`` equal blocks of ``x`` on ``seq_dim``, as a new contiguous tensor."""
-    return x.chunk(world, seq_dim)[rank].contiguous()
-
-
-@sequence_block.register_fake
-def _(x, world, rank, seq_dim):
-    return x.chunk(world, seq_dim)[rank].contiguous()
-
-
-def _must_save_block():
-    return create_selective_checkpoint_contexts([torch.ops.regather.sequence_block.default])
 
 
 class TracedRegather(torch.autograd.Function):
@@ -69,6 +53,5 @@ class TracedRegather(torch.autograd.Function):
 def traced_regather(x_full: torch.Tensor, a: torch.Tensor, group, seq_dim: int, rank: int, world: int) -> torch.Tensor:
     """LoRA-A's output for the local ``x_full`` (``[..., s, ..., h]``, the same on every rank of
     ``group``), keeping only this rank's sequence block for backward."""
-    shard = checkpoint(sequence_block, x_full.detach(), world, rank, seq_dim, use_reentrant=False,
-                       context_fn=_must_save_block)
+    shard = x_full.detach().chunk(world, seq_dim)[rank].contiguous()
     return TracedRegather.apply(x_full, shard, a, group, seq_dim)
