@@ -16,7 +16,8 @@ lowrank), bit-identical to torchtitan's LoRA for gather and regather; with
 Modules: :mod:`.converter`, :mod:`.hand` (entry points); :mod:`.model` (attach, decisions);
 :mod:`.adapter` (the LoRA-A paths and the DTensor boundary); :mod:`.pairing` (where the gathered
 input is recorded, the early-regather anchor), :mod:`.producers` (recompute); :mod:`.layout`,
-:mod:`.runstate`, :mod:`.options`, :mod:`.reasons`. Imports torch, torchtitan and
+:mod:`.runstate`, :mod:`.options`, :mod:`.reasons`; :mod:`.traced` (the forward under
+``torch.compile``); :mod:`.compat` (every private torchtitan / torch name touched, with versions). Imports torch, torchtitan and
 :mod:`regather.core` only (docs/torchtitan.md, docs/design.md §12).
 """
 

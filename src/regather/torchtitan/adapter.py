@@ -25,6 +25,12 @@ row          ``x A^T`` on the ``Shard(-1)`` input:      with ``recompute_adapter
                                                         (:mod:`.rebuilt`)
 ============ ========================================== ========================================
 
+Two forwards skip the per-forward decision: a gather adapter without ``recompute_adapter_inputs``
+(always torchtitan's ``lora_a``: ``GATHER_ONLY``), and a traced one under ``torch.compile``
+(:mod:`.traced`: decided from what Dynamo guards on). Under torchtitan's ``SelectiveAC`` the LoRA
+branch runs unseen by the op policy (:func:`.compat.unseen_by_selective_checkpoint`), so the
+frozen model's cached matmuls stay what they were and LoRA's are recomputed.
+
 The column paths are :mod:`regather.core.strategies` Functions on plain local tensors; the
 adapter drops to them with ``to_local(grad_placements=...)`` and returns ``DTensor.from_local(...,
 grad_placements=...)`` with the placements torchtitan's own column ``lora_a`` produces and
