@@ -1,5 +1,5 @@
 """Every private upstream name the torchtitan front end touches, in one place, with the version it
-was read from. tests/torchtitan/test_titan_compat.py checks each against the pinned versions, so an
+was read from. tests/unit/torchtitan/test_titan_compat.py checks each against the pinned versions, so an
 upgrade fails there, naming the attribute, instead of somewhere in a forward.
 
 Read from torchtitan 0.3.0 (:data:`TORCHTITAN_VERSION`) and torch 2.13.0 (:data:`TORCH_VERSION`):

@@ -1,4 +1,4 @@
-"""Rank bodies for tests/torchtitan/test_titan_ac_compile.py: torchtitan's llama3 debugmodel (2 layers,
+"""Rank bodies for tests/distributed/torchtitan/test_titan_ac_compile.py: torchtitan's llama3 debugmodel (2 layers,
 TP2 + SP, 2 gloo ranks) under its SelectiveAC, its FullAC and its apply_compile (per block,
 fullgraph=True), torchtitan's LoRA against regather's; bytes as the allocator sees them."""
 
