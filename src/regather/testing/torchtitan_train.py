@@ -148,6 +148,10 @@ def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[
     pd = M.parallel_dims(tp=run.tp)
     frozen = run.build(None, pd)
     if run.compile:  # compiled on a first step, not counted (the compiler's own allocations)
+        import torch._dynamo
+
+        # every variant's blocks compile in this one process: Dynamo's per-frame limit (8) is not enough
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * (len(variants) + 1))
         M.step(frozen, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
     _, saved, comm = M.step(frozen, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
     out = {"frozen": {"saved_bytes": saved.total, "saved_bytes_by_label": saved.by_label(),

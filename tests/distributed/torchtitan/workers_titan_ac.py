@@ -74,6 +74,8 @@ def setting_suite(rank, world_size, setting: str, names: list[str]) -> dict:
     dtype = torch.float64 if setting == "fp64" else torch.float32
     out = {}
     for name in names:
+        if setting == "compile":  # each model's blocks are compiled anew (one process, many models)
+            torch._dynamo.reset()
         out[name] = measure(H.build(H.model_config(_converter(name)), pd, parallelize=parallelize, dtype=dtype), dtype)
     return out
 
