@@ -48,5 +48,7 @@ NORM_KEEPS_NOTHING = f"the norm: {NOTHING_KEPT}"
 
 # torch.compile: the traced forward (regather.torchtitan.traced)
 LOWRANK_TRACED = "lowrank has no traced path yet (torch.compile): the gather path runs"
-RECOMPUTE_TRACED = expected("under torch.compile the partitioner decides what the forward saves: the traced "
-                            "regather keeps the sequence shard it gathers again, not a producer's input")
+REGATHER_TRACED = ("under torch.compile AOT autograd keeps the gathered input whatever regather saves (measured: "
+                   "more bytes than the gather path): the gather path runs")
+RECOMPUTE_TRACED = expected("under torch.compile the partitioner decides what the forward saves: no input is "
+                            "rebuilt from its producer")

@@ -11,14 +11,16 @@ evaluate again outside the graph:
 =========================== ============================================================
 asked                       traced forward
 =========================== ============================================================
-gather; any row-parallel    torchtitan's own ``lora_a``: the same graph as torchtitan's
-base; eval / no_grad        compiled LoRA
-regather (column base)      :func:`regather.core.strategies.traced.traced_regather`: the
-                            shard is this rank's block of the gathered input, saved; the
-                            backward gathers it with functional collectives
-lowrank                     the gather path, with the reason (not traced yet)
+any strategy, any layout    torchtitan's own ``lora_a``: the same graph as torchtitan's
+                            compiled LoRA; regather and lowrank say why (below)
 ``recompute_adapter_inputs`` the partitioner decides what is saved: the input is kept
 =========================== ============================================================
+
+Why regather runs the gather path when traced: a traced regather (one autograd Function saving
+the shard, its backward gathering it with functional collectives) compiled and ran, but AOT
+autograd's partitioner kept the gathered input anyway and the cut shards beside it — measured
+with inductor, +2,128 KiB over the frozen model against torchtitan's +1,872 (docs/torchtitan.md).
+A path that costs more than the one it replaces does not run; the reason says so.
 
 Activation checkpointing under compile is not considered here: torchtitan's own compiled blocks
 fail with it on CPU (docs/torchtitan.md), so it was not run.
@@ -27,16 +29,11 @@ fail with it on CPU (docs/torchtitan.md), so it was not run.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from regather.core.decision import Decision
 from regather.core.strategies import Strategy
-from regather.core.strategies.traced import traced_regather
 from regather.torchtitan import reasons
 from regather.torchtitan.layout import COLUMN, base_layout
-
-#: torchtitan's activations are ``[b, s, h]``: the sequence dim of a gathered column input
-SEQ_DIM = 1
 
 
 def traced_decision(adapter, training: bool, grad_enabled: bool) -> Decision:
@@ -63,21 +60,12 @@ def traced_decision(adapter, training: bool, grad_enabled: bool) -> Decision:
         return gather(reasons.ROW)
     if asked == Strategy.LOWRANK:
         return gather(reasons.LOWRANK_TRACED)
-    if asked == Strategy.GATHER:
-        return gather()
-    return Decision(asked, asked, None, recompute_reason=reasons.RECOMPUTE_TRACED if recompute else None)
+    if asked == Strategy.REGATHER:
+        return gather(reasons.REGATHER_TRACED)
+    return gather()
 
 
 def traced_lora_a(adapter, x: torch.Tensor) -> torch.Tensor:
     """LoRA-A of ``adapter`` on ``x`` in a traced forward."""
-    decision = traced_decision(adapter, adapter.training, torch.is_grad_enabled())
-    adapter.traced = True
-    if decision.used != Strategy.REGATHER or not isinstance(x, DTensor):
-        return adapter.lora_a(x)  # torchtitan's own LoRA-A
-    weight = adapter.lora_a.weight
-    mesh = weight.device_mesh
-    a_local = weight.to_local(grad_placements=[Partial()])
-    x_local = x.to_local(grad_placements=[Partial()])
-    mid = traced_regather(x_local, a_local, mesh.get_group(), SEQ_DIM, mesh.get_local_rank(), mesh.size())
-    return DTensor.from_local(mid, mesh, [Replicate()], run_check=False, shape=mid.shape, stride=mid.stride(),
-                              grad_placements=[Partial()])
+    adapter.traced = True  # decisions() reports traced_decision from now on
+    return adapter.lora_a(x)  # torchtitan's own LoRA-A

@@ -17,7 +17,7 @@ RUNS = {
     "lowrank": dict(sequence_parallel_input_strategy="lowrank"),
     "regather-recompute": dict(sequence_parallel_input_strategy="regather", recompute_adapter_inputs=True),
 }
-REPEATS = 2  # bytes: the smallest of this many steps (a gloo work object may free its block late)
+REPEATS = 3  # bytes: the smallest of this many steps (a gloo work object may free its block late)
 
 
 def _step(model, dtype=torch.float32):
