@@ -43,9 +43,8 @@ def traced_decision(adapter, training: bool, grad_enabled: bool) -> Decision:
     recompute = options.recompute_adapter_inputs
 
     def gather(reason=None) -> Decision:
-        keeps = reason if reason is not None else reasons.RECOMPUTE_TRACED
-        return Decision(asked, Strategy.GATHER, reason if asked != Strategy.GATHER else None,
-                        recompute_reason=keeps if recompute and training and grad_enabled else None)
+        keeps = reasons.RECOMPUTE_TRACED if recompute and training and grad_enabled else None
+        return Decision(asked, Strategy.GATHER, reason if asked != Strategy.GATHER else None, recompute_reason=keeps)
 
     if not training:
         return gather(reasons.EVAL)
