@@ -11,6 +11,11 @@ from regather.testing.dist import run_ranks
 from regather.testing.numerics import max_rel_err
 
 
+def _plain(name: str) -> str:
+    """A parameter name without the wrappers' segments (checkpoint_wrapper's, torch.compile's)."""
+    return ".".join(p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "_orig_mod"))
+
+
 def main() -> None:
     res = run_ranks(W.ac_compile_suite, 2, timeout=900)[0]
     fp64 = res["fp64"]["torchtitan"]
@@ -23,7 +28,8 @@ def main() -> None:
             r = runs[name]
             exact = torch.equal(r["loss"], titan["loss"]) and all(torch.equal(r["grads"][n], g)
                                                                    for n, g in titan["grads"].items())
-            worst = max(max_rel_err(r["grads"][n].double(), g) for n, g in fp64["grads"].items())
+            grads = {_plain(n): g for n, g in r["grads"].items()}
+            worst = max(max_rel_err(grads[_plain(n)].double(), g) for n, g in fp64["grads"].items())
             same = "(reference)" if name == "torchtitan" else ("bit-identical" if exact else
                                                                f"max rel. error vs fp64 {worst:.1e}")
             print(f"| {name} | {(r['alive'] - runs['frozen']['alive']) / 1024:+,.1f} | {same} |")
