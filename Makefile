@@ -45,7 +45,7 @@ test-distributed: venv
 	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed
 
 # ruff (pyproject.toml [tool.ruff]) and the layering contracts (pyproject.toml [tool.importlinter]):
-# tools > testing > hf > front ends > core > ops, MoE above the dense front end, no import cycle
+# tools > hf > front ends > core > ops, MoE above the dense front end, no import cycle
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/lint-imports
@@ -86,7 +86,7 @@ test-compat-311: $(COMPAT_DIR)/.installed
 
 # The tests against the real Megatron Bridge (tests/*/megatron/bridge; ~2 min on 2 cores). megatron-bridge 0.6.2 is a
 # pure-Python wheel that declares Python 3.12 and a GPU stack: it goes beside the pinned stack like
-# megatron-core 0.19.2 (--no-deps, --ignore-requires-python), and regather.testing.bridge_env adds the
+# megatron-core 0.19.2 (--no-deps, --ignore-requires-python), and tests.harness.bridge_env adds the
 # import-level shims its PEFT code needs on CPU. Bridge 0.6.2 pins no megatron-core version
 # (megatron-core[dev,mlm]), but its PEFT code imports megatron.core.models.hybrid.hybrid_block, which
 # megatron-core has from 0.18 on (not in 0.17.1 nor 0.16.1): the tests run with 0.19.2 on the path;

@@ -23,7 +23,7 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 def _rank(rank, t, strategies, s, b, h, o, r, dtype):
     from regather import ParallelLinearAdapter
     from regather.core.accounting import CollectiveBytes
-    from regather.testing import enable_megatron_cpu
+    from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
     enable_megatron_cpu()
     dtype = getattr(torch, dtype)
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the table (markdown) and JSON here (path prefix)")
     a = p.parse_args(argv)
     from regather.core.strategies import Strategy
-    from regather.testing.dist import run_ranks
+    from regather.tools.cpu.dist import run_ranks
 
     strategies = [s.value for s in Strategy]
     res = run_ranks(_rank, a.tp, strategies, a.seq, a.micro_batch, a.hidden, a.out_features, a.rank,

@@ -25,8 +25,8 @@ def _rank(rank, t, args):
 
     from regather import LoRA
     from regather.core.comm import all_gather_seq
-    from regather.testing.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
     from regather.tools.bench.clocks import regather_waits
+    from regather.tools.cpu.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
 
     shape = TinyGPT(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                     ffn_hidden_size=args.ffn, vocab_size=args.vocab, seq_length=args.seq)
@@ -81,7 +81,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args(argv)
-    from regather.testing.dist import run_ranks
+    from regather.tools.cpu.dist import run_ranks
 
     res = run_ranks(_rank, 2, args, timeout=600)
     for r, row in enumerate(res):

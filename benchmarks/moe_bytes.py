@@ -3,7 +3,7 @@
 A tiny megatron-core MoE GPT (megatron's MoELayer, router, token dispatcher, SequentialMLP or
 TEGroupedMLP experts on the TE grouped-linear stand-ins) with LoRA on qkv/proj/fc1/fc2; one
 forward + backward per strategy and variant under the saved-tensor accounting
-(``regather.testing.train.AdapterSavedBytes``), the bytes of LoRA-A inputs summed per adapter
+(``regather.tools.cpu.train.AdapterSavedBytes``), the bytes of LoRA-A inputs summed per adapter
 kind, beside the tokens the router sent to this rank's experts in the same forward (an expert
 adapter keeps ``routed tokens x input width x element size``). Printed per rank as markdown.
 
@@ -33,7 +33,7 @@ VARIANTS = {
 
 def kind(path: str) -> str:
     """``linear_qkv``, ``expert linear_fc1``, ``shared expert linear_fc2``, ... (the table's rows)."""
-    from regather.testing.moe_train import adapter_kind
+    from regather.tools.cpu.moe_train import adapter_kind
 
     return adapter_kind(path).replace("shared_experts.", "shared expert ").replace("experts.", "expert ")
 
@@ -44,10 +44,10 @@ def _rank(rank, world, args):
 
     from regather import LoRA
     from regather.core.accounting import ADAPTER_INPUT
-    from regather.testing.models import gpt_batch, gpt_loss
-    from regather.testing.moe_models import TinyMoE, build_moe_gpt
-    from regather.testing.moe_train import record_routed
-    from regather.testing.train import AdapterSavedBytes
+    from regather.tools.cpu.models import gpt_batch, gpt_loss
+    from regather.tools.cpu.moe_models import TinyMoE, build_moe_gpt
+    from regather.tools.cpu.moe_train import record_routed
+    from regather.tools.cpu.train import AdapterSavedBytes
 
     shape = TinyMoE(experts=args.experts, dispatcher=args.dispatcher, topk=args.topk, seq_length=args.seq)
     dtype = getattr(torch, args.dtype)
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args()
-    from regather.testing.dist import run_ranks
+    from regather.tools.cpu.dist import run_ranks
 
     world = max(args.tp, args.ep * args.etp)
     res = run_ranks(_rank, world, args, timeout=600)

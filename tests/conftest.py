@@ -8,6 +8,13 @@ and are imported by name — also by spawned ranks, which inherit the parent's `
 area folder is put on the path here, and one folder may use another's bodies (names are unique
 across folders). ``tests/unit`` and ``tests/distributed`` themselves never go on the path: their
 ``megatron`` folders would join megatron-core's ``megatron`` namespace package.
+
+The test harness (fakes, stand-ins, Bridge loaders, test-only training runs: ``tests/harness``, not
+in the wheel) is the package ``tests.harness``: the repository root goes on the path for it (first,
+as pytest puts it for the package ``tests``), and ``tests/harness`` itself is not a path entry, so
+its modules have only that one name. What the ``regather`` command needs at run time (the rank
+launcher, the CPU run-time patches, the tiny models, the measured loops) is product code:
+:mod:`regather.tools.cpu`.
 """
 
 import sys
@@ -18,8 +25,11 @@ import torch.distributed as dist
 
 _HERE = Path(__file__).resolve().parent
 _TOPS = {_HERE / "unit", _HERE / "distributed"}
+_HARNESS = _HERE / "harness"
+if str(_HERE.parent) not in sys.path:
+    sys.path.insert(0, str(_HERE.parent))
 for _folder in sorted(p for p in _HERE.rglob("*") if p.is_dir() and p.name != "__pycache__"
-                      and not p.name.startswith(".") and p not in _TOPS):
+                      and not p.name.startswith(".") and p not in _TOPS and _HARNESS not in (p, *p.parents)):
     if str(_folder) not in sys.path:
         sys.path.append(str(_folder))
 
@@ -27,7 +37,7 @@ for _folder in sorted(p for p in _HERE.rglob("*") if p.is_dir() and p.name != "_
 @pytest.fixture
 def single_rank_group(tmp_path):
     """A real one-rank gloo group (megatron mappings need a group even at TP=1)."""
-    from regather.testing import enable_megatron_cpu
+    from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
     enable_megatron_cpu()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)

@@ -47,7 +47,7 @@ def init_fake_group(tp: int) -> None:
 
 
 def prepare_megatron(device: str, seed: int) -> None:
-    from regather.testing import megatron_cpu
+    from regather.tools.cpu import megatron_cpu
 
     if device == "cpu":
         megatron_cpu.enable_megatron_cpu()
@@ -65,7 +65,7 @@ def build_layer(args, strategy: str, device: str, dtype: torch.dtype):
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from regather.testing.train import RunConfig, lora_for
+    from regather.tools.cpu.train import RunConfig, lora_for
 
     torch.manual_seed(args.seed)
     config = TransformerConfig(
@@ -133,7 +133,7 @@ def time_step(layer, x, dy, device) -> float:
 
 
 def strategies_available() -> list:
-    from regather.testing.train import requestable_strategies
+    from regather.tools.cpu.train import requestable_strategies
 
     return requestable_strategies()
 
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
             x.grad = None
             if r >= args.warmup:
                 times[n].append(dt)
-    from regather.testing.train import base_strategy
+    from regather.tools.cpu.train import base_strategy
 
     base = statistics.median(times["gather"])
     for n in names:

@@ -1,6 +1,6 @@
 """LoRA on Transformer Engine's real grouped expert linears against the CPU tests' stand-ins.
 
-The CPU tests run megatron's ``TEGroupedMLP`` on :mod:`regather.testing.fake_te_grouped`
+The CPU tests run megatron's ``TEGroupedMLP`` on :mod:`regather.tools.cpu.fake_te_grouped`
 (TE cannot run on CPU). This script checks, where TE imports (a CUDA machine with
 ``transformer_engine`` and megatron-core), that regather adapts the real
 ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` exactly as the stand-ins:
@@ -66,7 +66,7 @@ def moe_layer(cfg, real_te: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    from regather.testing.fake_te_grouped import grouped_moe_spec
+    from regather.tools.cpu.fake_te_grouped import grouped_moe_spec
 
     if real_te:
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=True).layer_specs[0]
@@ -155,7 +155,7 @@ def main() -> int:
     from megatron.core import parallel_state, tensor_parallel
 
     if args.cpu_dry_run:
-        from regather.testing.moe_cpu import enable_moe_cpu
+        from regather.tools.cpu.moe_cpu import enable_moe_cpu
 
         enable_moe_cpu()
     device = "cpu" if args.cpu_dry_run else "cuda"

@@ -49,7 +49,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from regather.testing.numerics import max_rel_err, rounding_bound
+# the rounding rule is the tests' (tests/harness, not in the wheel): the repository root on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.harness.numerics import max_rel_err, rounding_bound
 
 S, B, H, OUT = 32, 2, 256, 128  # tokens, micro-batch, hidden, output features (one rank)
 EPS = 1e-5
@@ -108,7 +110,7 @@ def classify(got: torch.Tensor, exact: dict[str, torch.Tensor], same: dict[str, 
 
     ``exact``: both references (:func:`plain_grads`) in fp64; ``same``: both again in ``dtype`` on the
     device TE ran on (with TE's GEMM precision: TE runs fp32 GEMMs as TF32). The tolerance is
-    regather's rounding rule (:func:`regather.testing.numerics.rounding_bound`): ``got``'s error
+    regather's rounding rule (:func:`tests.harness.numerics.rounding_bound`): ``got``'s error
     against an fp64 reference may be 3x that of plain torch's own ``dtype`` computation + 4 ulps.
     A dropped term changes the gradient by O(1) of its size (``separation``), far beyond it.
     """

@@ -3,14 +3,19 @@
 - :class:`LoRA` — the PEFT config for megatron-core; ``LoRA(sequence_parallel_input_regather=True)(model)``
 - :class:`CanonicalLoRA` — the same with one adapter per q/k/v and gate/up (Hugging Face's layout)
 - :class:`ParallelLinearAdapter` — one adapter beside a megatron parallel linear
-- :func:`decisions` — which strategy each adapter runs, and why
+- :func:`adapters`, :func:`decisions`, :func:`set_strategy` — a model's adapters, which strategy
+  each runs and why, a strategy switch (whichever front end built them)
+- :func:`merge`, :func:`unmerge`, :func:`merged`, :func:`delta_weight` — fold a megatron model's
+  adapters into its base weights and back (:mod:`regather.megatron.merge`)
 
 The package is layered (docs/design.md §11): :mod:`regather.core` (torch only: the LoRA-A paths,
 collectives, scratch buffers, byte accounting, the recompute machinery) and :mod:`regather.ops`
 (kernels) under two front ends, :mod:`regather.megatron` and :mod:`regather.torchtitan`; then
-:mod:`regather.hf` (Hugging Face PEFT interop), :mod:`regather.testing` (the CPU harness) and
-:mod:`regather.tools` (the ``regather`` command). The names below are loaded on first use, so
-``import regather.core`` loads no front end.
+:mod:`regather.hf` (Hugging Face PEFT interop) and :mod:`regather.tools` (the ``regather`` command
+and what it runs on CPU ranks, :mod:`regather.tools.cpu`). The names below are loaded on first use,
+so ``import regather.core`` loads no front end. The package's entry points besides these names:
+:mod:`regather.bridge` (Megatron Bridge's ``LoRA``), :mod:`regather.hf`, :mod:`regather.torchtitan`
+and the command (``python -m regather``, :mod:`regather.__main__`).
 """
 
 from __future__ import annotations
@@ -27,18 +32,22 @@ _PUBLIC = {
     "ParallelLinearAdapter": "regather.megatron.dense.adapter",
     "Decision": "regather.core.decision",
     "Strategy": "regather.core.strategies",
+    # merging is Megatron's (regather.merge was a module of these four names up to 0.2.0)
+    "merge": "regather.megatron.merge",
+    "unmerge": "regather.megatron.merge",
+    "merged": "regather.megatron.merge",
+    "delta_weight": "regather.megatron.merge",
 }
-# where each front end lists a model's adapters (adapters, decisions, set_strategy)
-_FRONT_ENDS = ("regather.megatron.dense.model", "regather.torchtitan.model")
 
 __all__ = [*_PUBLIC, "adapters", "decisions", "set_strategy"]
 
 
 def _front_ends():
-    """The front ends loaded in this process: a model can only hold adapters of those."""
-    import sys
+    """The front ends imported in this process (each registers itself on import,
+    :mod:`regather.core.frontends`): a model can only hold adapters of those."""
+    from regather.core import frontends
 
-    return [sys.modules[name] for name in _FRONT_ENDS if name in sys.modules]
+    return list(frontends.registered().values())
 
 
 def adapters(model) -> dict:

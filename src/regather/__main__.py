@@ -1,3 +1,5 @@
+"""``python -m regather``: the ``regather`` command (:func:`regather.tools.cli.main`)."""
+
 import sys
 
 from regather.tools.cli import main

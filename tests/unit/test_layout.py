@@ -1,4 +1,5 @@
-"""The shape of the package, checked (the layering itself is import-linter's, `make lint`).
+"""The shape of the package and of the test harness (tests/harness), checked (the layering itself
+is import-linter's, `make lint`).
 
 - no private name crosses a module: nothing imports ``_name`` from another module, reads
   ``module._name`` of another regather module, or calls a ``_method`` that only classes of another
@@ -17,12 +18,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "regather"
+HARNESS = ROOT / "tests" / "harness"
+PACKAGES = ("regather", "tests.harness")
 MAX_LINES = 500
 FRAMEWORKS = ("megatron", "transformer_engine", "torchtitan", "transformers", "peft")
+#: what the core's tests may import beside the core: modules that import torch only
+LIGHT = ("regather.tools.cpu.dist", "tests.harness.numerics")
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    parts = path.relative_to(SRC.parent if SRC in path.parents else ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -32,7 +37,8 @@ def _private(name: str) -> bool:
 
 @pytest.fixture(scope="module")
 def modules() -> dict[str, tuple[Path, ast.Module]]:
-    return {_module_name(p): (p, ast.parse(p.read_text(), str(p))) for p in sorted(SRC.rglob("*.py"))}
+    paths = sorted([*SRC.rglob("*.py"), *HARNESS.rglob("*.py")])
+    return {_module_name(p): (p, ast.parse(p.read_text(), str(p))) for p in paths}
 
 
 def _private_methods_by_module(modules) -> dict[str, set[str]]:
@@ -53,7 +59,7 @@ def test_no_private_name_crosses_a_module(modules):
     for name, (path, tree) in modules.items():
         aliases = {}  # local name -> regather module it refers to
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("regather"):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGES):
                 for a in node.names:
                     if _private(a.name):
                         problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {a.name} from {node.module}")
@@ -62,7 +68,7 @@ def test_no_private_name_crosses_a_module(modules):
                         aliases[a.asname or a.name] = full
             elif isinstance(node, ast.Import):
                 for a in node.names:
-                    if a.name.startswith("regather") and a.asname:
+                    if a.name.startswith(PACKAGES) and a.asname:
                         aliases[a.asname] = a.name
         mine = defined.get(name, set())
         for node in ast.walk(tree):
@@ -100,11 +106,11 @@ def test_core_tests_import_no_framework():
                 elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                     names = [node.module]
                 for n in names:
-                    if n.split(".")[0] in FRAMEWORKS or n.startswith(("regather.megatron", "regather.torchtitan",
-                                                                       "regather.hf", "regather.tools")):
+                    # the rank launcher and the fp64 comparison rule import torch only; the rest of the
+                    # CPU runtime (regather.tools.cpu) and of the harness builds megatron models
+                    if n in LIGHT:
+                        continue
+                    if n.split(".")[0] in FRAMEWORKS or n.startswith((
+                            "regather.megatron", "regather.torchtitan", "regather.hf", "regather.tools", "tests.harness")):
                         bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {n}")
-                    # the launcher and the fp64 comparison rule import torch only
-                    if n.startswith("regather.testing") and n not in ("regather.testing.dist",
-                                                                      "regather.testing.numerics"):
-                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {n} (the harness builds megatron models)")
     assert bad == []

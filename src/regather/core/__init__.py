@@ -14,5 +14,5 @@ Front ends (:mod:`regather.megatron`, :mod:`regather.torchtitan`) hand it plain 
 - :mod:`.unwrap`     — the plain tensor under ``DTensor`` / ``AsyncCollectiveTensor`` (storage checks)
 - :mod:`.decision`, :mod:`.fallback_log` — what an adapter decided and why, logged once per reason
 - :mod:`.debug`      — opt-in cross-rank shape checks
-- :mod:`.shapes`     — the model and run shapes the tools and the harness share
+- :mod:`.frontends`  — the front ends of this process, registered on import (``regather.decisions``)
 """

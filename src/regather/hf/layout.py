@@ -3,7 +3,7 @@
 A megatron linear (by the name :func:`regather.adapters` lists its adapter under) corresponds
 to one or more Hugging Face modules of a Llama/Qwen-style model, in the order megatron stacks
 their output rows. The same row rules cut a LoRA-B ``[o, r]`` and a base weight ``[o, h]``
-(:mod:`regather.testing.hf_llama` converts base weights with them):
+(:mod:`tests.harness.hf_llama` converts base weights with them):
 
 ====================== =============================== ====================================
 megatron (adapter)     HF modules (``model.layers.i.``) output rows (per TP rank ``i``)

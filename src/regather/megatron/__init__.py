@@ -8,5 +8,18 @@
 - :mod:`.reasons` — the decision sentences shared with ``regather estimate`` / ``doctor``
 
 megatron-core is imported inside the functions that need it, so importing this package needs
-only torch. The framework-free building blocks are :mod:`regather.core`.
+only torch. The framework-free building blocks are :mod:`regather.core`. Importing it registers
+the front end (:mod:`regather.core.frontends`): ``regather.adapters`` / ``decisions`` /
+``set_strategy`` then ask :mod:`.dense.model`.
 """
+
+from regather.core import frontends
+
+
+def _model():
+    from regather.megatron.dense import model
+
+    return model
+
+
+frontends.register("megatron", _model)

@@ -1,5 +1,6 @@
 """The ``regather`` command (:mod:`.cli`): ``demo``, ``bench``, ``estimate``, ``doctor``.
 
-Tools sit on top of everything: they build models with the harness (:mod:`regather.testing`),
-apply the front ends and read the core's byte accounting; nothing imports them.
+Tools sit on top of everything: they describe a run with :mod:`.shapes`, build and run models on
+CPU ranks with :mod:`.cpu`, apply the front ends and read the core's byte accounting; nothing in
+the library imports them.
 """

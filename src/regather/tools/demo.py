@@ -31,7 +31,7 @@ def load_corpus() -> torch.Tensor:
 
 
 def _rank_main(rank, world_size, cfg, tokens):
-    from regather.testing.train import compare_strategies
+    from regather.tools.cpu.train import compare_strategies
 
     def progress(name, step, seconds):
         if rank == 0 and name == STRATEGIES[-1] and (step + 1) % 10 == 0:
@@ -62,9 +62,9 @@ def _kept_inputs(decisions: dict) -> dict:
 
 
 def run(args) -> int:
-    from regather.testing.dist import run_ranks
-    from regather.testing.models import TinyGPT
-    from regather.testing.train import RunConfig
+    from regather.tools.cpu.dist import run_ranks
+    from regather.tools.cpu.models import TinyGPT
+    from regather.tools.cpu.train import RunConfig
 
     shape = TinyGPT(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=4 * args.hidden, vocab=256,
                     seq=args.seq)

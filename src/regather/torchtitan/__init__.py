@@ -23,6 +23,8 @@ input is recorded, the early-regather anchor), :mod:`.producers` (recompute); :m
 
 import importlib
 
+from regather.core import frontends
+
 # the entry points by module, imported on first use: regather.torchtitan.reasons (the sentences
 # ``regather estimate`` shares) imports without torchtitan, as regather.megatron.reasons without megatron
 _HOME = {"LoRAConverter": "converter", "apply_lora": "hand", "adapters": "model", "decisions": "model",
@@ -38,6 +40,16 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
     globals()[name] = value
     return value
+
+
+def _model():
+    from regather.torchtitan import model
+
+    return model
+
+
+# regather.adapters / decisions / set_strategy ask every front end registered (regather.core.frontends)
+frontends.register("torchtitan", _model)
 
 
 def __dir__():

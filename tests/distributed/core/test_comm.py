@@ -4,7 +4,7 @@ import pytest
 import torch
 from workers_comm import exercise_comm
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 

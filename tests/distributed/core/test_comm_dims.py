@@ -9,7 +9,7 @@ results are DTensor's ``Shard(dim) -> Replicate`` and ``Partial -> Shard(dim)``,
 import pytest
 from workers_core import collectives_on_dims
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

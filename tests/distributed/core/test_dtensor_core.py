@@ -13,7 +13,7 @@ import pytest
 import torch
 from workers_dtensor import anchored_members, dtensor_accounting
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

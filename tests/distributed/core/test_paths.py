@@ -15,10 +15,10 @@ output gradient:
 
 import pytest
 import torch
+from tests.harness.numerics import check_rounding
 from workers_core import fp64_reference, lora_a_paths
 
-from regather.testing.dist import run_ranks
-from regather.testing.numerics import check_rounding
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -54,7 +54,7 @@ def test_lowrank_within_a_multiple_of_fp32_error(results, dim, rc):
         assert (dA - ref["dA"]).abs().max().item() <= 16 * torch.finfo(torch.float32).eps * scale * ref["dA"].shape[1]
         # the rank's rows of the full dA are the sharded gather path's dA, to rounding: another
         # summation order, so both against the fp64 rows, within 3x the gather path's own error + 4
-        # ulps (regather.testing.numerics; an element-wise rtol=1e-5 of the gather path's was
+        # ulps (tests.harness.numerics; an element-wise rtol=1e-5 of the gather path's was
         # measured up to 0.3 of its bound on small entries; a wrong or unsummed row is O(1))
         rows = slice(rank * 2, rank * 2 + 2)
         check_rounding(dA[rows], res["gather"]["dA"], ref["dA"][rows], f"rank {rank} dA rows", dtype=torch.float32)

@@ -2,7 +2,7 @@
 
 The megatron side is a Llama-style GPT (RMSNorm, SwiGLU, no biases, rope, untied embeddings,
 4 heads in 2 query groups) at TP=2 with SP; the HF side is ``LlamaForCausalLM`` built from a
-config with the same base weights (``regather.testing.hf_llama``). One spawn runs every case
+config with the same base weights (``tests.harness.hf_llama``). One spawn runs every case
 (workers_peft_hf.hf_suite); the tests read its results.
 
 Tolerance, fp32 logits (magnitude ~3-4): 1e-5 absolute. The two sides compute the same function
@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 import workers_peft_hf as W
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 T = 2
 TOL = 1e-5

@@ -14,7 +14,7 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from regather.testing import torchtitan_models
+from regather.tools.cpu import torchtitan_models
 
 if torchtitan_models.missing():
     pytest.skip(torchtitan_models.missing(), allow_module_level=True)
@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 import workers_titan_peft_hf as W
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 TOL = 1e-5
 KEY_WARNING_WORDS = ("missing", "unexpected", "not found", "were not used", "newly initialized")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from regather import LoRA, Strategy, adapters
-from regather.testing.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
+from regather.tools.cpu.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
 
 SHAPE = TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                 ffn_hidden_size=96, seq_length=16)
@@ -42,7 +42,7 @@ def train(model, steps=2):
 
 
 def peft_roundtrip(rank, t, out_dir):
-    from regather.peft_export import export_peft, load_peft, read_peft
+    from regather.hf import export_peft, load_peft, read_peft
 
     res = {"exported": {}, "loaded": {}}
     batch = gpt_batch(SHAPE, 2, seed=7)

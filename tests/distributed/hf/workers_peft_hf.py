@@ -1,9 +1,9 @@
 """Rank bodies for the tests against the real ``peft`` and ``transformers`` (test_peft_hf.py).
 
 One TP=2 run does everything: the megatron Llama-style GPT and its HF twin
-(:mod:`regather.testing.hf_llama`), regather exports read by ``PeftModel.from_pretrained``,
+(:mod:`tests.harness.hf_llama`), regather exports read by ``PeftModel.from_pretrained``,
 and adapters made by real PEFT (``get_peft_model`` + ``save_pretrained``, random non-zero A and
-B) loaded with :func:`regather.peft_export.load_peft`. Rank 0 runs the HF side and writes the
+B) loaded with :func:`regather.hf.load_peft`. Rank 0 runs the HF side and writes the
 adapters; both ranks run megatron.
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from regather import CanonicalLoRA, LoRA
-from regather.testing.models import TinyGPT
+from regather.tools.cpu.models import TinyGPT
 
 SHAPE = TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                 ffn_hidden_size=96, vocab_size=256, seq_length=16)
@@ -43,7 +43,7 @@ _built = {"n": 0}
 
 
 def base_model(t):
-    from regather.testing.hf_llama import build_llama_gpt
+    from tests.harness.hf_llama import build_llama_gpt
 
     first = _built["n"] == 0
     _built["n"] += 1  # megatron's parallel state once per process (each init leaks ~17 groups)
@@ -131,8 +131,9 @@ EXPORTS = {
 
 
 def _export_cases(rank, t, root, hf_base, res):
-    from regather.peft_export import export_peft
-    from regather.testing.hf_llama import megatron_logits
+    from tests.harness.hf_llama import megatron_logits
+
+    from regather.hf import export_peft
 
     out = {}
     for name, (cls, kw, peft_kw) in EXPORTS.items():
@@ -279,9 +280,10 @@ def _unchanged(model, snap) -> bool:
 
 
 def _load_cases(rank, t, root, hf_base, res):
+    from tests.harness.hf_llama import megatron_logits
+
     from regather import adapters
-    from regather.peft_export import UnsupportedAdapter, export_peft, hf_state_dict, load_peft, read_peft
-    from regather.testing.hf_llama import megatron_logits
+    from regather.hf import UnsupportedAdapter, export_peft, hf_state_dict, load_peft, read_peft
 
     hf_out = {}
     if rank == 0:
@@ -326,7 +328,7 @@ def _load_cases(rank, t, root, hf_base, res):
 
 
 def hf_suite(rank, t, root):
-    from regather.testing import hf_llama
+    from tests.harness import hf_llama
 
     res = {}
     base = base_model(t).eval()

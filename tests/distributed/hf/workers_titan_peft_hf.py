@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from workers_titan import LLAMA3_RUNS
 
-from regather.testing import torchtitan_models as H
-from regather.testing.torchtitan_models import converter
+from regather.tools.cpu import torchtitan_models as H
+from regather.tools.cpu.torchtitan_models import converter
 
 
 def hf_config(config):

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tests.harness.numerics import check_rounding
 from workers_adapter import count_collectives, run_adapter
 
 from regather import Strategy
-from regather.testing.dist import run_ranks
-from regather.testing.numerics import check_rounding
+from regather.tools.cpu.dist import run_ranks
 
 T = 2
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

@@ -12,7 +12,7 @@ Tolerances:
   the largest entry, the bounds here before, were each crossed with another BLAS path). Each is held
   against the gather path run in fp64 from the same weights (fp32's, or bf16's for bf16): its error
   within 3x the error of the computation it replaces (gather, TP=1) plus 4 ulps
-  (regather.testing.numerics). A misplaced projection moves the logits by ~20 %, a missing TP sum of
+  (tests.harness.numerics). A misplaced projection moves the logits by ~20 %, a missing TP sum of
   dA is O(1).
 - merge: rtol=atol=1e-5 as test_merge (one fp32 rounding of W + scale*B@A).
 
@@ -23,9 +23,9 @@ adapter input; an all-gather of x receives ``x_full*(t-1)/t = 8192`` B per rank.
 import pytest
 import torch
 import workers_canonical as W
+from tests.harness.numerics import check_rounding
 
-from regather.testing.dist import run_ranks
-from regather.testing.numerics import check_rounding
+from regather.tools.cpu.dist import run_ranks
 
 T = W.TP
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

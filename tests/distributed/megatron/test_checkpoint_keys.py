@@ -8,7 +8,7 @@ import pytest
 import torch
 from workers_checkpoint import QKV, key_cases, partial_cases
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 T = 2
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

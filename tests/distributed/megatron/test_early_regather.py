@@ -9,7 +9,7 @@ import pytest
 import torch
 from workers_early import early_suite
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 T = 2
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

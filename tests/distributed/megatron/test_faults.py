@@ -5,11 +5,11 @@ import time
 
 import pytest
 import torch
+from tests.harness.numerics import check_rounding
 from workers_reliability import bad_inputs, raise_or_block
 
 from regather import Strategy
-from regather.testing.dist import RankFailed, run_ranks
-from regather.testing.numerics import check_rounding
+from regather.tools.cpu.dist import RankFailed, run_ranks
 
 T = 2
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

@@ -5,10 +5,10 @@ import functools
 
 import pytest
 import torch
+from tests.harness.numerics import check_rounding
 from workers_lowrank import B, H, R, S, lowrank_suite
 
-from regather.testing.dist import run_ranks
-from regather.testing.numerics import check_rounding
+from regather.tools.cpu.dist import run_ranks
 
 T = 2
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 # held against the fp64 reference of the same
 # steps (``fp64_reference``, TP=1, the runs' stored weights and inputs): lowrank's error within
 # three times the gather path's own error in the same precision, plus 4 ulps
-# (regather.testing.numerics).
+# (tests.harness.numerics).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

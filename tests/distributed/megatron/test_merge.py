@@ -9,7 +9,7 @@ import torch
 from workers_peft import merge_roundtrip
 
 from regather import Strategy
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 T = 2
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

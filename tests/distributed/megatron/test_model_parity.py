@@ -5,9 +5,9 @@ import pytest
 import torch
 from workers_model import full_layout, odd_sequence_error
 
-from regather.testing.dist import run_ranks
-from regather.testing.models import TinyGPT
-from regather.testing.train import RunConfig, train_lora
+from regather.tools.cpu.dist import run_ranks
+from regather.tools.cpu.models import TinyGPT
+from regather.tools.cpu.train import RunConfig, train_lora
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 T = 2

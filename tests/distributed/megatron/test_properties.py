@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from workers_reliability import property_cases
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 T = 2
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

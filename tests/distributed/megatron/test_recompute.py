@@ -23,10 +23,10 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.harness.spawn_groups import SpawnGroups, group_by_cost
 from workers_recompute import TE_NORMS, Setup, Shape
 
 from regather.core.recompute.graph import SOURCE_NOT_KEPT
-from regather.testing.spawn_groups import SpawnGroups, group_by_cost
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 T = 2
@@ -84,7 +84,7 @@ BYTES_SCHEDULES = ("plain", "interleaved")
 
 # One spawn per group of setups of at most this many variants (6 + 3 spawns; the module alone took
 # 84 s on 2 cores, 44.5 s of it in MATRIX's setups), run by the first test that asks for one of its
-# setups (regather.testing.spawn_groups says why).
+# setups (tests.harness.spawn_groups says why).
 BUDGET = 30
 
 

@@ -8,7 +8,7 @@ import torch
 from workers_reliability import recompute, schedules
 
 from regather import Strategy
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 T = 2
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

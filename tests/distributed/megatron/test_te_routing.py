@@ -1,6 +1,6 @@
 """Transformer Engine routing on two gloo ranks, with a CPU stand-in for TE's LayerNorm linear.
 
-What TE itself does is emulated by ``regather.testing.fake_te``; the real-TE
+What TE itself does is emulated by ``tests.harness.fake_te``; the real-TE
 checks are in ``tests/unit/megatron/test_te.py`` and skip without TE and a GPU.
 """
 
@@ -9,7 +9,7 @@ import torch
 from workers_te import run_te_route
 
 from regather import Strategy
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 T = 2
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

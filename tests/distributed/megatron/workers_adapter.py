@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from regather import ParallelLinearAdapter
 from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
-from regather.testing import enable_megatron_cpu
+from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
 
 def make_adapter(strategy, *, h, o, r, dtype, column=True, sp=True, base_name="linear_qkv",
@@ -48,7 +48,7 @@ def fp64_reference(adapter, data, rank, t) -> dict:
     ``(x, dy)`` per micro-batch, x split over the sequence, dy over the output features), from its
     weights as they are: this rank's output and input-gradient shards per micro-batch, and its
     LoRA-A rows and LoRA-B gradients summed over the micro-batches (the reference of results that
-    are not the same GEMMs as the gather path's; regather.testing.numerics)."""
+    are not the same GEMMs as the gather path's; tests.harness.numerics)."""
     a = adapter.linear_in.weight.detach()
     a = a if a.shape[0] == adapter.dim else _gathered(a, 0)  # a replicated (lowrank) LoRA-A is full
     a = a.double().requires_grad_()

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from regather.core.buffers import ScratchPool
 from regather.core.strategies.shared_gather import BACKWARD_SCRATCH, FORWARD_SCRATCH
-from regather.testing.models import TinyGPT, gpt_batch
+from regather.tools.cpu.models import TinyGPT, gpt_batch
 
 SHAPE = TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                 ffn_hidden_size=128, vocab_size=256, seq_length=32)
@@ -48,8 +48,9 @@ _STATE = {"tp": None}
 
 
 def parallel(tp: int) -> None:
-    from regather.testing.megatron_train import enable_megatron_training_cpu
-    from regather.testing.models import init_model_parallel
+    from tests.harness.megatron_train import enable_megatron_training_cpu
+
+    from regather.tools.cpu.models import init_model_parallel
 
     enable_megatron_training_cpu()  # the fused-wgrad stand-in for gradient_accumulation_fusion
     if _STATE["tp"] != tp:
@@ -59,7 +60,7 @@ def parallel(tp: int) -> None:
 
 def base(tp: int = TP, dtype=torch.float32, fuse: bool = False, config: dict = GATED, sp: bool = True,
          shape: TinyGPT = SHAPE):
-    from regather.testing.models import build_gpt
+    from regather.tools.cpu.models import build_gpt
 
     parallel(tp)
     return build_gpt(shape, tp, sequence_parallel=sp, dtype=dtype, seed=BASE_SEED,
@@ -88,7 +89,7 @@ def canonical(variant: str = "early", tp: int = TP, dtype=torch.float32, fuse: b
 
 def fp64_twin(model, tp: int = TP, **kw):
     """``model``'s function in fp64 on the gather path, from its weights as they are (fp32 or bf16):
-    the reference of results that are not the same GEMMs (regather.testing.numerics); its loss too
+    the reference of results that are not the same GEMMs (tests.harness.numerics); its loss too
     (:func:`forward_loss`)."""
     twin = canonical("gather", tp=tp, dtype=torch.float64, **kw)
     twin.load_state_dict(model.state_dict(), strict=True)
@@ -673,8 +674,7 @@ def tp1_runs(tp2: dict, root_ckpt: dict) -> dict:
 
 def canonical_suite(rank: int, world_size: int, root: str) -> dict:
     import megatron.core
-
-    from regather.testing.megatron_ckpt import enable_dist_checkpointing_cpu
+    from tests.harness.megatron_ckpt import enable_dist_checkpointing_cpu
 
     enable_dist_checkpointing_cpu()
     parallel(TP)

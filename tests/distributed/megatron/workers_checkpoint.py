@@ -6,7 +6,7 @@ import torch
 
 from regather import LoRA
 from regather.megatron.dense import checkpoint
-from regather.testing.models import TinyGPT, build_gpt, gpt_batch
+from regather.tools.cpu.models import TinyGPT, build_gpt, gpt_batch
 
 SHAPE = TinyGPT()
 QKV = "decoder.layers.0.self_attention.linear_qkv"

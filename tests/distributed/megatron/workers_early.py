@@ -9,7 +9,7 @@ from workers_adapter import make_adapter
 from regather import Strategy
 from regather.core.buffers import ScratchPool
 from regather.core.strategies.regather import BACKWARD_SCRATCH
-from regather.testing import enable_megatron_cpu
+from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
 S, B, H, OUT, R = 16, 2, 32, 48, 8
 VARIANTS = {  # name -> (strategy, early_regather)
@@ -140,7 +140,7 @@ def gpt_suite(rank, t, steps=2):
     from regather import LoRA
     from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
     from regather.megatron.dense.model import decisions
-    from regather.testing.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
+    from regather.tools.cpu.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
 
     enable_megatron_cpu()
     shape = TinyGPT()

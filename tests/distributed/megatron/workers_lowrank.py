@@ -10,7 +10,7 @@ from workers_adapter import make_adapter
 
 from regather import Strategy
 from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
-from regather.testing import enable_megatron_cpu
+from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
 S, B, H, OUT, R = 16, 2, 32, 48, 8
 LR = 0.05

@@ -4,8 +4,8 @@ import dataclasses
 
 import torch
 
-from regather.testing.models import gpt_batch, gpt_loss
-from regather.testing.train import RunConfig, build_lora_gpt
+from regather.tools.cpu.models import gpt_batch, gpt_loss
+from regather.tools.cpu.train import RunConfig, build_lora_gpt
 
 
 def odd_sequence_error(rank, world_size, cfg: RunConfig):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from regather.testing.models import TinyGPT
+from regather.tools.cpu.models import TinyGPT
 
 RC = {"recompute_adapter_inputs": True}
 # name -> (strategy, LoRA field overrides)
@@ -211,14 +211,15 @@ PREPARE_BEFORE: dict[str, Callable] = {
 
 
 _TP_INIT = {"tp": None}
-# TransformerConfig fields regather.testing.models.build_gpt sets itself (CPU-friendly defaults)
+# TransformerConfig fields regather.tools.cpu.models.build_gpt sets itself (CPU-friendly defaults)
 FIXED_BY_BUILD_GPT = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
                       "apply_rope_fusion", "persist_layer_norm")
 
 
 def ensure_parallel(tp: int) -> None:
-    from regather.testing.megatron_train import enable_megatron_training_cpu
-    from regather.testing.models import init_model_parallel
+    from tests.harness.megatron_train import enable_megatron_training_cpu
+
+    from regather.tools.cpu.models import init_model_parallel
 
     enable_megatron_training_cpu()  # the fused wgrad stand-in (gradient_accumulation_fusion)
     if _TP_INIT["tp"] != tp:
@@ -230,7 +231,7 @@ def build_base(setup: Setup):
     """The setup's megatron GPT (its spec, config overrides and pre-LoRA changes), before LoRA."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from regather.testing.models import build_gpt
+    from regather.tools.cpu.models import build_gpt
 
     ensure_parallel(setup.tp)
     shape = setup.shape
@@ -355,7 +356,7 @@ def run_variant(setup: Setup, variant: str) -> dict:
     from regather import decisions
     from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
     from regather.megatron.dense.model import adapters
-    from regather.testing.models import gpt_batch
+    from regather.tools.cpu.models import gpt_batch
 
     model = build(setup, variant)
     rec = Recorder(model, setup.input_grad)
@@ -487,7 +488,7 @@ def run_frozen(setup: Setup) -> dict:
     keeps for a backward that only carries gradients through the model (the decoder input requires
     grad with ``input_grad``, as in a fine-tune whose embeddings are frozen below the first adapter)."""
     from regather.core.accounting import SavedBytes
-    from regather.testing.models import gpt_batch
+    from regather.tools.cpu.models import gpt_batch
 
     model = build_base(setup)
     for p in model.parameters():
@@ -541,12 +542,12 @@ def te_case(rank, t, strategy, recompute, *, normalization="LayerNorm", zero_cen
     """LoRA on the fake TE LayerNorm-fused base, with and without recompute (``sp=False``: the
     whole sequence on every rank, the replicated path)."""
     import torch.distributed as dist
+    from tests.harness.fake_te import TELayerNormColumnParallelLinear
     from torch import nn
 
     from regather import LoRA
     from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
-    from regather.testing import enable_megatron_cpu
-    from regather.testing.fake_te import TELayerNormColumnParallelLinear
+    from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
     enable_megatron_cpu()
     group = dist.group.WORLD

@@ -18,7 +18,7 @@ from workers_adapter import _inputs, fp64_reference, make_adapter
 from regather import Strategy
 from regather.core.accounting import CollectiveBytes, SavedBytes
 from regather.core.buffers import Lease, ScratchPool
-from regather.testing import enable_megatron_cpu
+from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
 SEQUENCE_LOCAL = [s for s in Strategy if s != Strategy.GATHER]
 
@@ -164,7 +164,7 @@ def _default_pool():
 def recompute(rank, t, configs, only=None):
     """Model level: one forward/backward per (recompute config, strategy); LoRA grads + decisions."""
     from regather import LoRA, adapters
-    from regather.testing.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
+    from regather.tools.cpu.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
 
     out = {}
     shape = TinyGPT(num_layers=2, seq_length=16)
@@ -217,7 +217,7 @@ def raise_or_block(rank, t, delay=1.0):
 def bad_inputs(rank, t):
     """Every bad-input case; returns {case: error message or result}."""
     from regather import LoRA
-    from regather.testing.models import TinyGPT, batch_from_tokens, build_gpt, gpt_loss
+    from regather.tools.cpu.models import TinyGPT, batch_from_tokens, build_gpt, gpt_loss
 
     enable_megatron_cpu()
     out = {}

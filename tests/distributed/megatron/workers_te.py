@@ -6,12 +6,12 @@ import copy
 
 import torch
 import torch.distributed as dist
+from tests.harness.fake_te import TELayerNormColumnParallelLinear
 from torch import nn
 
 from regather import LoRA, ParallelLinearAdapter
 from regather.core.accounting import CollectiveBytes
-from regather.testing import enable_megatron_cpu
-from regather.testing.fake_te import TELayerNormColumnParallelLinear
+from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
 
 def run_te_route(rank, t, strategy, *, bias=False, skip_bias_add=False, s=8, b=2, h=16, o=24, r=4,

@@ -12,8 +12,7 @@ import shutil
 import tempfile
 
 import pytest
-
-from regather.testing.recipes import INSTALL_HINT, prepare_offline_hub, recipes_available
+from tests.harness.recipes import INSTALL_HINT, prepare_offline_hub, recipes_available
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 import workers_recipes as W
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 

@@ -1,6 +1,6 @@
-"""Rank workers of tests/distributed/recipes (spawned by ``regather.testing.dist.run_ranks``).
+"""Rank workers of tests/distributed/recipes (spawned by ``regather.tools.cpu.dist.run_ranks``).
 
-For each recipe: the recipe's ``ConfigContainer`` (offline HF cache, regather.testing.recipes),
+For each recipe: the recipe's ``ConfigContainer`` (offline HF cache, tests.harness.recipes),
 its model provider shrunk and set to TP2 + SP (EP2 for MoE) on 2 gloo ranks, local spec, fp32;
 the model built by the provider once per side, from the same seed (the base weights are checked
 equal across sides); PEFT applied through Bridge's own ``_apply_peft_transformation``; every
@@ -146,9 +146,9 @@ class AdapterKinds:
 def run_side(provider, peft, rank: int, base_state: dict | None) -> tuple[dict, dict]:
     """Build, adapt (Bridge's _apply_peft_transformation), fill, one forward + backward."""
     from megatron.core import tensor_parallel
+    from tests.harness import recipes as R
 
     import regather
-    from regather.testing import recipes as R
 
     model = R.build_model(provider, seed=SEED)
     state = {n: t.detach().clone() for n, t in model.state_dict().items() if torch.is_tensor(t)}
@@ -185,7 +185,7 @@ def run_side(provider, peft, rank: int, base_state: dict | None) -> tuple[dict, 
 
 
 def recipe_runs(rank: int, name: str) -> dict:
-    from regather.testing import recipes as R
+    from tests.harness import recipes as R
 
     recipe = R.RECIPES[name]
     start = time.monotonic()
@@ -218,7 +218,7 @@ def recipe_runs(rank: int, name: str) -> dict:
 def bridge_ready(rank: int) -> dict:
     """Bridge imported with the recipe tier's shims (the expensive part of a spawn); the rank's
     record so far."""
-    from regather.testing import recipes as R
+    from tests.harness import recipes as R
 
     start = time.monotonic()
     R.import_bridge()
@@ -228,7 +228,7 @@ def bridge_ready(rank: int) -> dict:
 
 def side_by_side(rank: int, world_size: int, names: list[str]) -> dict:
     """Every recipe in ``names`` in this one spawn (imports are the expensive part)."""
-    from regather.testing import recipes as R
+    from tests.harness import recipes as R
 
     out = bridge_ready(rank)
     for name in names:
@@ -247,7 +247,7 @@ DYNAMO_LAYOUT = "llama3_70b_tp2"
 
 def layout_runs(rank: int, layout: str, sides=SIDES, target_sets=("recipe", "all")) -> dict:
     """One shipped layout: the recipe's own LoRA fields and SP setting, shrunk, every side."""
-    from regather.testing import recipes as R
+    from tests.harness import recipes as R
 
     name, tp = LAYOUTS[layout]
     start = time.monotonic()

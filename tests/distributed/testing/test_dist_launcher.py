@@ -1,4 +1,4 @@
-"""regather.testing.dist.run_ranks: a raising or dying rank fails fast, a hung run (no rank uses
+"""regather.tools.cpu.dist.run_ranks: a raising or dying rank fails fast, a hung run (no rank uses
 CPU) raises TimeoutError within the stall window with the ranks' stacks, a slow but busy run
 passes, a busy-forever run stops at the hard ceiling, before pytest-timeout's alarm."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from regather.testing import dist as launcher
-from regather.testing.dist import RankFailed, run_ranks
+from regather.tools.cpu import dist as launcher
+from regather.tools.cpu.dist import RankFailed, run_ranks
 
 # pytest-timeout marks are backstops sized for a machine at load 100+ (start-up alone took up to
 # 90 s there); every bound that the tests assert is measured from the event it is about.
@@ -215,7 +215,7 @@ def test_ranks_die_with_the_launching_process(tmp_path):
         import sys
         sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
         from test_dist_launcher import sleeping_partner
-        from regather.testing.dist import run_ranks
+        from regather.tools.cpu.dist import run_ranks
         run_ranks(sleeping_partner, 2, {str(tmp_path)!r}, timeout=3600, stall_timeout=3600)
     """)
     parent = subprocess.Popen([sys.executable, "-c", code])

@@ -1,11 +1,10 @@
-"""regather.testing.spawn_groups: groups packed by cost, one spawn per group on first use, a failed
+"""tests.harness.spawn_groups: groups packed by cost, one spawn per group on first use, a failed
 group reported to every later item without running again."""
 
 import os
 
 import pytest
-
-from regather.testing.spawn_groups import SpawnFailed, SpawnGroups, group_by_cost
+from tests.harness.spawn_groups import SpawnFailed, SpawnGroups, group_by_cost
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from regather.core.shapes import ModelShape, RunShape, shape_fields
 from regather.megatron.canonical import CANONICAL_TARGETS
 from regather.tools import cli
 from regather.tools.bench import runner
 from regather.tools.estimate import ALL_STRATEGIES, Model, Run, adapter_inputs, estimate
+from regather.tools.shapes import ModelShape, RunShape, shape_fields
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from regather.testing import torchtitan_models
+from regather.tools.cpu import torchtitan_models
 
 if torchtitan_models.missing():
     pytest.skip(torchtitan_models.missing(), allow_module_level=True)

@@ -7,7 +7,7 @@ debugmodel (2 layers, TP2 + SP, 2 gloo ranks), per rank, from the same spawn the
 import torch
 import workers_titan as W
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 
 def main() -> None:

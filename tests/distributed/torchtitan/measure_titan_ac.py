@@ -6,9 +6,9 @@ the spawn test_titan_ac_compile.py reads (allocator bytes over the frozen model,
 
 import torch
 import workers_titan_ac as W
+from tests.harness.numerics import max_rel_err
 
-from regather.testing.dist import run_ranks
-from regather.testing.numerics import max_rel_err
+from regather.tools.cpu.dist import run_ranks
 
 
 def _plain(name: str) -> str:

@@ -12,16 +12,16 @@ on CPU for torchtitan's own compiled blocks (docs/torchtitan.md).
 
 import pytest
 
-from regather.testing import torchtitan_models
+from regather.tools.cpu import torchtitan_models
 
 if torchtitan_models.missing():
     pytest.skip(torchtitan_models.missing(), allow_module_level=True)
 
 import torch
 import workers_titan_ac as W
+from tests.harness.numerics import check_rounding
 
-from regather.testing.dist import run_ranks
-from regather.testing.numerics import check_rounding
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1500)]
 RANK_R_ONE = 2 * 128 * 8 * 4        # one rank-r tensor [b, s, r] fp32: 8 KiB

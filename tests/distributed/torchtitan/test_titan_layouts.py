@@ -11,7 +11,7 @@ spawn, workers_titan.layouts_suite):
 
 import pytest
 
-from regather.testing import torchtitan_models
+from regather.tools.cpu import torchtitan_models
 
 if torchtitan_models.missing():
     pytest.skip(torchtitan_models.missing(), allow_module_level=True)
@@ -19,7 +19,7 @@ if torchtitan_models.missing():
 import torch
 import workers_titan as W
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 KIB = 1024
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

@@ -12,7 +12,7 @@ gloo ranks (one spawn, workers_titan.training_suite):
 
 import pytest
 
-from regather.testing import torchtitan_models
+from regather.tools.cpu import torchtitan_models
 
 if torchtitan_models.missing():
     pytest.skip(torchtitan_models.missing(), allow_module_level=True)
@@ -20,7 +20,7 @@ if torchtitan_models.missing():
 import torch
 import workers_titan as W
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 

@@ -1,5 +1,5 @@
 """Rank bodies for the tests against the real torchtitan 0.3.0 (tests/distributed/torchtitan): each builds models
-with the harness (regather.testing.torchtitan_models) and returns what the tests compare, one spawn per file."""
+with the harness (regather.tools.cpu.torchtitan_models) and returns what the tests compare, one spawn per file."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from regather.testing import torchtitan_models as H
+from regather.tools.cpu import torchtitan_models as H
 
 # the runs of the llama3 comparison: name -> regather's fields (None: torchtitan's own converter)
 LLAMA3_RUNS = {
@@ -233,8 +233,8 @@ def _train(model) -> dict:
     from torch.distributed.tensor import DTensor, Replicate
     from torchtitan.components.optimizer import LRSchedulersContainer
 
-    from regather.testing.torchtitan_train import clip_and_step
-    from regather.testing.torchtitan_train import optimizers as adamw
+    from regather.tools.cpu.torchtitan_train import clip_and_step
+    from regather.tools.cpu.torchtitan_train import optimizers as adamw
 
     optimizers = adamw(model, lr=8e-4)
     schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
@@ -311,7 +311,7 @@ def fsdp_suite(rank, world_size):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
-    from regather.testing.torchtitan_cpu import sum_reduction_for_gloo
+    from regather.tools.cpu.torchtitan_cpu import sum_reduction_for_gloo
 
     dp_shard = world_size // 2
     pd = H.parallel_dims(tp=2, dp_shard=dp_shard)

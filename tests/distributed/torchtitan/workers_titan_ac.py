@@ -9,7 +9,7 @@ import gc
 import torch
 
 from regather.core.allocated import AllocatedBytes
-from regather.testing import torchtitan_models as H
+from regather.tools.cpu import torchtitan_models as H
 
 RUNS = {
     "gather": dict(sequence_parallel_input_strategy="gather"),

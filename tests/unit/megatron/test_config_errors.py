@@ -39,7 +39,7 @@ def _same(a, b):
 
 @pytest.fixture
 def tiny_gpt(single_rank_group):
-    from regather.testing.models import TinyGPT, build_gpt
+    from regather.tools.cpu.models import TinyGPT, build_gpt
 
     return build_gpt(TinyGPT(num_layers=1), tp=1)
 

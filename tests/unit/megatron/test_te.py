@@ -1,6 +1,6 @@
 """regather.megatron.dense.te: Transformer Engine bases.
 
-CPU part: the pure-Python routing with stand-in classes (``regather.testing.fake_te``).
+CPU part: the pure-Python routing with stand-in classes (``tests.harness.fake_te``).
 GPU part (``TestRealTE``): a real ``TELayerNormColumnParallelLinear``; skips
 unless transformer_engine imports and CUDA is available. Transformer Engine is
 never installed on CPU machines (it breaks ``import megatron.core`` there,
@@ -16,11 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tests.harness.fake_te import TEColumnParallelLinear, TELayerNormColumnParallelLinear
 from torch import nn
 
 from regather.core.strategies import Strategy
 from regather.megatron.dense import te
-from regather.testing.fake_te import TEColumnParallelLinear, TELayerNormColumnParallelLinear
 
 TE_SKIP = ("transformer_engine is not installed: it is never installed on CPU machines "
            "(docs/design.md §6); run on a CUDA machine with Transformer Engine")

@@ -20,8 +20,7 @@ import os
 
 import pytest
 import torch
-
-from regather.testing import recipes as R
+from tests.harness import recipes as R
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,7 +103,7 @@ def test_uniform_lora_a_init_refused_on_megatron_linears_before_any_change(bridg
     """A megatron parallel linear selected under ``lora_A_init_method="uniform"``: no parallel-linear
     adapter has that initialiser (Bridge's raises ``NotImplementedError`` mid-walk); regather's config
     names the modules and the value, and leaves the model as it was."""
-    from regather.testing.models import TinyGPT, build_gpt
+    from regather.tools.cpu.models import TinyGPT, build_gpt
 
     model = build_gpt(TinyGPT(num_layers=1), tp=1, sequence_parallel=False)
     before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}

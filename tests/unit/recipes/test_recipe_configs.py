@@ -23,7 +23,7 @@ Found here (and documented in the tests below):
   regather's class.
 - The MoE recipes' ``moe_permute_fusion`` (TE) and ``flex`` dispatcher (DeepEP) make ``validate()``
   fail on a machine without TE / GPU whatever the PEFT: replaced by their portable equivalents first
-  (``regather.testing.recipes.without_gpu_kernels``).
+  (``tests.harness.recipes.without_gpu_kernels``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ import dataclasses
 import os
 
 import pytest
-
-from regather.testing import recipes as R
+from tests.harness import recipes as R
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,4 +1,4 @@
-"""regather.testing.megatron_ckpt: the CPU enablement of megatron's dist_checkpointing.
+"""tests.harness.megatron_ckpt: the CPU enablement of megatron's dist_checkpointing.
 
 One subprocess (a fresh interpreter: the patches are process-wide) checks what the module
 promises: psutil missing -> ImportError up front (megatron's save would hang); the patches are
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.timeout(180),
 CHILD = r"""
 import json, os, sys
 import torch
-from regather.testing import megatron_ckpt
+from tests.harness import megatron_ckpt
 
 out = {}
 real_psutil = sys.modules.pop("psutil", None)

@@ -2,7 +2,7 @@
 
 import torch
 
-from regather.testing import enable_megatron_cpu
+from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
 
 def test_patches_are_idempotent_and_cpu_only():

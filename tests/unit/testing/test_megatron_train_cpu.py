@@ -3,8 +3,7 @@ megatron's training modules, and the fused-wgrad stand-in does apex's arithmetic
 
 import pytest
 import torch
-
-from regather.testing.megatron_train import (
+from tests.harness.megatron_train import (
     FUSED_WGRAD_STANDIN,
     TRAINING_MODULES,
     enable_megatron_training_cpu,
@@ -83,7 +82,7 @@ def test_megatron_linear_fuses_into_main_grad_through_the_standin(single_rank_gr
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    from regather.testing.models import init_model_parallel
+    from regather.tools.cpu.models import init_model_parallel
 
     assert sys.modules["fused_weight_gradient_mlp_cuda"] is FUSED_WGRAD_STANDIN
     init_model_parallel(1)

@@ -93,7 +93,7 @@ def test_gather_strategy_suggests_regather_and_tp1_says_no_effect():
 
 def test_estimate_api_is_used_when_present():
     per, how = doctor.per_adapter_saving(Setup(seq=8192, micro_batch=1, hidden=4096, tp=2, dtype="bfloat16"))
-    assert per == 8192 * 4096 * 2 // 2 and "regather.estimate.adapter_input_bytes" in how
+    assert per == 8192 * 4096 * 2 // 2 and "regather.tools.estimate.adapter_input_bytes" in how
 
 
 def test_cli_json_and_exit_code(capsys, monkeypatch):

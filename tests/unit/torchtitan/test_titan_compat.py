@@ -5,7 +5,7 @@ import importlib.metadata
 
 import pytest
 
-from regather.testing import torchtitan_models
+from regather.tools.cpu import torchtitan_models
 
 if torchtitan_models.missing():
     pytest.skip(torchtitan_models.missing(), allow_module_level=True)
@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from regather.testing.torchtitan_cpu import enable_torchtitan_cpu
+from regather.tools.cpu.torchtitan_cpu import enable_torchtitan_cpu
 from regather.torchtitan import compat
 
 

@@ -4,7 +4,7 @@ two-rank llama3 runs are in test_titan_llama3.py)."""
 
 import pytest
 
-from regather.testing import torchtitan_models
+from regather.tools.cpu import torchtitan_models
 
 if torchtitan_models.missing():
     pytest.skip(torchtitan_models.missing(), allow_module_level=True)
@@ -13,7 +13,7 @@ import torch
 
 
 def test_fields_are_torchtitans_plus_regathers_and_bad_values_fail_before_any_change():
-    from regather.testing.torchtitan_cpu import enable_torchtitan_cpu
+    from regather.tools.cpu.torchtitan_cpu import enable_torchtitan_cpu
 
     enable_torchtitan_cpu()
     from torchtitan.components.lora import LoRAConverter as TitanConverter

@@ -5,7 +5,7 @@ Example (the committed CPU runs: the commands are in benchmarks/results/*/bench.
     regather bench --hidden 512 --layers 2 --heads 8 --ffn 2048 --vocab 1024 --seq 1024 --out DIR
 
 Strategies: every one this build implements, and the variants of
-``regather.testing.train.VARIANTS`` (``regather-plain``, ``regather-recompute``,
+``regather.tools.cpu.train.VARIANTS`` (``regather-plain``, ``regather-recompute``,
 ``lowrank-recompute``, ``gather-recompute``).
 
 ``--moe`` measures a tiny MoE GPT on megatron's own MoE layers instead (:mod:`regather.tools.bench.moe`),
@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import argparse
 
-from regather.core.shapes import EXPERT_KINDS
 from regather.megatron.canonical import CANONICAL_TARGETS
 from regather.tools.bench.moe import DEFAULT_VARIANTS, DISPATCHERS, MoEBenchSpec
 from regather.tools.bench.runner import DEFAULT_TARGETS, BenchSpec
 from regather.tools.bench.titan import TITAN_TARGETS, TitanBenchSpec
+from regather.tools.shapes import EXPERT_KINDS
 
 
 def _strategies(value: str) -> tuple:
-    from regather.testing.moe_train import moe_variants
     from regather.tools.bench.runner import available_strategies
+    from regather.tools.cpu.moe_train import moe_variants
     from regather.torchtitan.options import VARIANTS
 
     # --moe has -recompute-redispatch, --torchtitan torchtitan (its own LoRA)

@@ -1,9 +1,9 @@
 """``regather bench --moe``: the variants on megatron-core's own MoE layers, counted and timed.
 
-The tiny MoE GPT of :mod:`regather.testing.moe_models` (megatron's ``MoELayer``, router, alltoall /
+The tiny MoE GPT of :mod:`regather.tools.cpu.moe_models` (megatron's ``MoELayer``, router, alltoall /
 allgather token dispatcher, ``SequentialMLP`` or ``TEGroupedMLP`` experts on the TE stand-ins) on
 ``max(tp, ep * etp)`` gloo ranks; every variant trained side by side by
-:func:`regather.testing.moe_train.compare_moe` (same full weights, same batches, steps
+:func:`regather.tools.cpu.moe_train.compare_moe` (same full weights, same batches, steps
 interleaved with the order rotated each step). :func:`summarise` turns the per-rank results into
 one row per variant:
 
@@ -28,7 +28,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 
-from regather.core.shapes import ModelShape, shape_fields
 from regather.megatron.reasons import REPLAYED_DISPATCHERS
 from regather.tools.bench.runner import (
     BenchSpec,
@@ -37,6 +36,7 @@ from regather.tools.bench.runner import (
     recompute_counts,
     step_time_ratios,
 )
+from regather.tools.shapes import ModelShape, shape_fields
 
 DISPATCHERS = REPLAYED_DISPATCHERS  # the variants compare routes regather replays
 DEFAULT_VARIANTS = ("gather", "regather", "regather-recompute", "regather-recompute-redispatch", "lowrank",
@@ -59,7 +59,7 @@ class MoEBenchSpec(BenchSpec):
 
     def problems(self) -> list[str]:
         """Every reason this spec cannot run (empty: it can)."""
-        from regather.testing.moe_train import variant_options
+        from regather.tools.cpu.moe_train import variant_options
 
         out = []
         if self.dispatcher not in DISPATCHERS:
@@ -96,8 +96,8 @@ class MoEBenchSpec(BenchSpec):
         return out
 
     def run_config(self):
-        from regather.testing.moe_models import TinyMoE
-        from regather.testing.moe_train import MoERun
+        from regather.tools.cpu.moe_models import TinyMoE
+        from regather.tools.cpu.moe_train import MoERun
 
         shape = TinyMoE(**shape_fields(ModelShape, self), seq=self.seq)
         return MoERun(shape=shape, tp=self.tp, ep=self.ep, etp=self.etp, dtype=self.dtype,
@@ -114,7 +114,7 @@ class MoEBenchSpec(BenchSpec):
 
 
 def default_variants(spec: MoEBenchSpec) -> tuple:
-    from regather.testing.moe_train import moe_variants
+    from regather.tools.cpu.moe_train import moe_variants
 
     known = moe_variants()
     return tuple(v for v in DEFAULT_VARIANTS if v in known and not (spec.shared_a and v.endswith("-redispatch")))
@@ -122,7 +122,7 @@ def default_variants(spec: MoEBenchSpec) -> tuple:
 
 def parity_pairs(variants) -> dict:
     """``{variant: [gather, its strategy without options]}`` (those run)."""
-    from regather.testing.moe_train import base_variant
+    from regather.tools.cpu.moe_train import base_variant
 
     out = {}
     for v in variants:
@@ -135,8 +135,8 @@ def moe_rank(rank: int, world_size: int, spec: MoEBenchSpec) -> dict:
     """One rank of the benchmark (module level so ``spawn`` can import it)."""
     import logging
 
-    from regather.testing.moe_train import compare_moe
     from regather.tools.bench.clocks import redispatch_times
+    from regather.tools.cpu.moe_train import compare_moe
 
     logging.getLogger("regather").setLevel(logging.ERROR)  # expected fallbacks are in the report
     progress = progress_printer(rank, spec.strategies, spec.steps, spec.quiet)
@@ -151,7 +151,7 @@ def moe_rank(rank: int, world_size: int, spec: MoEBenchSpec) -> dict:
 
 def run(spec: MoEBenchSpec) -> dict:
     """Spawn ``spec.world`` gloo ranks, run the benchmark, return the summary dict."""
-    from regather.testing.dist import run_ranks
+    from regather.tools.cpu.dist import run_ranks
 
     if not spec.strategies:
         spec = replace(spec, strategies=default_variants(spec))
@@ -267,7 +267,7 @@ def dispatch_bytes(row: dict, spec: MoEBenchSpec, width: int, reverse: bool = Fa
 
 
 def summarise(per_rank: list, spec: MoEBenchSpec) -> dict:
-    from regather.testing.moe_train import base_variant, variant_options
+    from regather.tools.cpu.moe_train import base_variant, variant_options
 
     rows = {name: _row([r[name] for r in per_rank], spec) for name in spec.strategies}
     for name, row in rows.items():

@@ -1,10 +1,10 @@
 """Run the benchmark: spawn the ranks, train every strategy side by side, summarise.
 
-The ranks come from :func:`regather.testing.dist.run_ranks` (gloo). When at
+The ranks come from :func:`regather.tools.cpu.dist.run_ranks` (gloo). When at
 least ``tp`` CUDA devices are visible, each rank switches to NCCL on its own
 device before building the model (:func:`_use_nccl`); that path has not run on
 a multi-GPU machine yet. The measurement itself is
-:func:`regather.testing.train.compare_strategies`; this module turns the
+:func:`regather.tools.cpu.train.compare_strategies`; this module turns the
 per-rank results into one summary per strategy (:func:`summarise`).
 """
 
@@ -18,8 +18,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-from regather.core.shapes import ModelShape, RunShape, shape_fields
 from regather.megatron.lora import DEFAULT_TARGETS
+from regather.tools.shapes import ModelShape, RunShape, shape_fields
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class BenchSpec(ModelShape, RunShape):
     canonical: bool = False
 
     def run_config(self):
-        from regather.testing.models import TinyGPT
-        from regather.testing.train import RunConfig
+        from regather.tools.cpu.models import TinyGPT
+        from regather.tools.cpu.train import RunConfig
 
         shape = TinyGPT(**shape_fields(ModelShape, self), seq=self.seq)
         return RunConfig(strategy="gather", tp=self.tp, sequence_parallel=self.sp, shape=shape,
@@ -56,7 +56,7 @@ class BenchSpec(ModelShape, RunShape):
 
 def available_strategies() -> list[str]:
     """Every strategy the installed package implements and ``LoRA`` can ask for, gather first."""
-    from regather.testing.train import requestable_strategies
+    from regather.tools.cpu.train import requestable_strategies
 
     return requestable_strategies()
 
@@ -68,7 +68,7 @@ def _use_nccl(rank: int, world_size: int, init_file: str):
     import torch
     import torch.distributed as dist
 
-    from regather.testing.megatron_cpu import patch_torch_norm
+    from regather.tools.cpu.megatron_cpu import patch_torch_norm
 
     patch_torch_norm()  # without apex/TE the local spec's torch norm refuses SP (docs/design.md §6)
     torch.cuda.set_device(rank)
@@ -100,7 +100,7 @@ def bench_rank(rank: int, world_size: int, spec: BenchSpec, nccl_init_file: str 
     """One rank of the benchmark (module level so ``spawn`` can import it)."""
     import logging
 
-    from regather.testing.train import compare_strategies
+    from regather.tools.cpu.train import compare_strategies
 
     logging.getLogger("regather").setLevel(logging.ERROR)  # expected fallbacks are in the report
     device = _use_nccl(rank, world_size, nccl_init_file) if nccl_init_file else None
@@ -117,7 +117,7 @@ def run(spec: BenchSpec) -> dict:
     """Spawn ``spec.tp`` ranks, run the benchmark, return the summary dict."""
     import torch
 
-    from regather.testing.dist import run_ranks
+    from regather.tools.cpu.dist import run_ranks
 
     if not spec.strategies:
         spec = replace(spec, strategies=tuple(available_strategies()))
@@ -140,7 +140,7 @@ def run(spec: BenchSpec) -> dict:
 
 def grad_difference(grads: dict, ref: dict, rank: int, tp: int) -> tuple[float, float]:
     """Largest absolute difference over all LoRA gradients, and it relative to max |ref|."""
-    from regather.testing.train import grad_gap
+    from regather.tools.cpu.train import grad_gap
 
     worst, scale = grad_gap(grads, ref, rank, tp)
     return worst, (worst / scale if scale else 0.0)
@@ -201,7 +201,7 @@ def summarise(per_rank: list, spec: BenchSpec) -> dict:
             "adapter_inputs": recompute_counts(res["decisions"]),
             "decisions": res["decisions"],
         }
-    from regather.testing.train import base_strategy
+    from regather.tools.cpu.train import base_strategy
 
     for name, row in rows.items():
         step_time_ratios(row, rows["gather"], "gather", spec.warmup)

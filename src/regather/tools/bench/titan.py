@@ -1,10 +1,10 @@
 """``regather bench --torchtitan``: regather's torchtitan front end against torchtitan's own LoRA, counted
 and timed on a real torchtitan 0.3.0 llama3 model (its sharding config, TP + SP, ``partial_dtensor``).
 
-``spec.tp`` gloo ranks; every variant of :mod:`regather.testing.torchtitan_train` (``torchtitan`` =
+``spec.tp`` gloo ranks; every variant of :mod:`regather.tools.cpu.torchtitan_train` (``torchtitan`` =
 torchtitan's ``LoRAConverter``, the baseline, and regather's ``gather``, ``regather``,
 ``regather-plain``, ``lowrank`` and the ``-recompute`` variants) trained side by side by
-:func:`regather.testing.torchtitan_train.compare_titan` (same parameter values, same batches, steps
+:func:`regather.tools.cpu.torchtitan_train.compare_titan` (same parameter values, same batches, steps
 interleaved with the order rotated each step). :func:`summarise` turns the per-rank results into one
 row per variant:
 
@@ -91,8 +91,8 @@ class TitanBenchSpec(BenchSpec):
         return out
 
     def run_config(self):
-        from regather.testing.torchtitan_models import TinyLlama3
-        from regather.testing.torchtitan_train import TitanRun
+        from regather.tools.cpu.torchtitan_models import TinyLlama3
+        from regather.tools.cpu.torchtitan_train import TitanRun
 
         shape = TinyLlama3(hidden=self.hidden, layers=self.layers, heads=self.heads, kv_heads=self.kv_heads,
                            ffn=self.ffn, vocab=self.vocab, seq=self.seq, micro_batch=self.micro_batch)
@@ -105,7 +105,7 @@ def titan_rank(rank: int, world_size: int, spec: TitanBenchSpec) -> dict:
     """One rank of the benchmark (module level so ``spawn`` can import it)."""
     import logging
 
-    from regather.testing.torchtitan_train import compare_titan
+    from regather.tools.cpu.torchtitan_train import compare_titan
 
     logging.getLogger("regather").setLevel(logging.ERROR)  # expected fallbacks are in the report
     progress = progress_printer(rank, spec.strategies, spec.steps, spec.quiet)
@@ -118,8 +118,8 @@ def titan_rank(rank: int, world_size: int, spec: TitanBenchSpec) -> dict:
 
 def run(spec: TitanBenchSpec) -> dict:
     """Spawn ``spec.tp`` gloo ranks, run the benchmark, return the summary dict."""
-    from regather.testing.dist import run_ranks
-    from regather.testing.torchtitan_models import missing
+    from regather.tools.cpu.dist import run_ranks
+    from regather.tools.cpu.torchtitan_models import missing
     from regather.torchtitan.options import BASELINE, VARIANTS
 
     why = missing()

@@ -30,7 +30,7 @@ saving               info     estimated LoRA-A input memory saved per GPU (re-ga
 Everything is a pure function of an env mapping and a :class:`Setup`, so each
 finding is testable without GPUs. One module per concern:
 
-- :mod:`.setup`       — :class:`Setup` (the shapes of :mod:`regather.core.shapes` and the features
+- :mod:`.setup`       — :class:`Setup` (the shapes of :mod:`regather.tools.shapes` and the features
   megatron / Bridge name) and :class:`Finding`
 - :mod:`.environment` — the allocator / NCCL / offloading rows
 - :mod:`.rules`       — every adapter's decision from the eligibility and producer rules

@@ -37,8 +37,8 @@ def build_rank(rank, world_size, setup: Setup):
     from regather.core.strategies import Strategy
     from regather.megatron.dense.model import adapters, decisions
     from regather.megatron.lora import LoRA
-    from regather.testing.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
-    from regather.testing.train import require_decoder_input_grad
+    from regather.tools.cpu.models import TinyGPT, build_gpt, gpt_batch, gpt_loss
+    from regather.tools.cpu.train import require_decoder_input_grad
 
     overrides = {}
     if setup.recompute_granularity:
@@ -98,6 +98,6 @@ def build_rank(rank, world_size, setup: Setup):
 
 def built_decisions(setup: Setup, timeout: float = 180.0) -> dict[str, dict]:
     """Build the GPT on ``setup.tp`` gloo ranks (CPU) and list rank 0's decisions."""
-    from regather.testing.dist import run_ranks
+    from regather.tools.cpu.dist import run_ranks
 
     return run_ranks(build_rank, setup.tp, setup, timeout=timeout)[0]

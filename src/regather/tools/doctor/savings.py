@@ -15,13 +15,13 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
-from regather.core.shapes import DTYPE_BYTES, ModelShape, RunShape, shape_fields
 from regather.megatron.reasons import ELIGIBLE_BASES, REDISPATCH_OPT_IN, REPLAYED_DISPATCHERS
 from regather.tools.doctor.rules import analytic_decisions
 from regather.tools.doctor.setup import Finding, Setup
+from regather.tools.shapes import DTYPE_BYTES, ModelShape, RunShape, shape_fields
 
 # where doctor says its byte counts come from (its output names the function: keep the text)
-_ESTIMATE = "regather.estimate"
+_ESTIMATE = "regather.tools.estimate"
 
 
 def expert_estimate(setup: Setup):

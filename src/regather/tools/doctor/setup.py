@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from regather.core.shapes import ModelShape, RunShape, experts_share_lora
 from regather.megatron.reasons import ALL_TARGETS
+from regather.tools.shapes import ModelShape, RunShape, experts_share_lora
 
 LEVELS = ("info", "warning", "error")
-#: ``--num-experts`` with ``--moe``: the tiny test MoE's (regather.testing.moe_models.TinyMoE).
+#: ``--num-experts`` with ``--moe``: the tiny test MoE's (regather.tools.cpu.moe_models.TinyMoE).
 MOE_EXPERTS = 4
 
 

@@ -11,7 +11,7 @@ every strategy and ``-recompute`` variant, frozen and grad-requiring decoder inp
 
 One module per concern:
 
-- :mod:`.config`  — the model and run (:mod:`regather.core.shapes`), the presets, the strategies
+- :mod:`.config`  — the model and run (:mod:`regather.tools.shapes`), the presets, the strategies
   and the layout checks; which producers keep a tensor to recompute from
 - :mod:`.spec`    — what the base linears keep on each layer spec (``--spec te``, the command's default:
   Transformer Engine, what Bridge's recipes run; ``--spec local``: megatron's local spec, what bench

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from regather.core.shapes import DTYPE_BYTES
 from regather.megatron.reasons import ALL_TARGETS, REPLAYED_DISPATCHERS
 from regather.tools.estimate.config import (
     ALL_STRATEGIES,
@@ -23,6 +22,7 @@ from regather.tools.estimate.config import (
     Model,
     Run,
 )
+from regather.tools.shapes import DTYPE_BYTES
 from regather.torchtitan.options import VARIANTS as TITAN_VARIANTS
 from regather.torchtitan.reasons import TARGETS as TITAN_TARGETS
 

@@ -1,6 +1,6 @@
 """What ``regather estimate`` is asked about: the model, the run, the strategies, and the layout checks.
 
-:class:`Model` and :class:`Run` are :mod:`regather.core.shapes`' shapes with what only estimate
+:class:`Model` and :class:`Run` are :mod:`regather.tools.shapes`' shapes with what only estimate
 needs (a preset's name; the LoRA-A gradient dtype, the pipeline stage).
 
 Model presets (config.json of each model on the Hugging Face Hub, as
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from regather.core.shapes import DTYPE_BYTES, ModelShape, RunShape, experts_share_lora
 from regather.megatron.reasons import ALL_TARGETS, ELIGIBLE_BASES, REPLAYED_DISPATCHERS
+from regather.tools.shapes import DTYPE_BYTES, ModelShape, RunShape, experts_share_lora
 
 STRATEGIES = ("gather", "regather", "lowrank")
 RECOMPUTE = "-recompute"  # suffix: LoRA(recompute_adapter_inputs=True) on that strategy

@@ -74,7 +74,6 @@ over the group (:mod:`regather.megatron.moe.inputs`).
 from __future__ import annotations
 
 from regather.core.recompute.graph import NOTHING_KEPT
-from regather.core.shapes import experts_share_lora
 from regather.megatron.reasons import PREDISPATCH, REDISPATCH, REDISPATCH_OPT_IN, ROUTER_KEEPS_NOTHING
 from regather.tools.estimate.config import (
     AdapterInput,
@@ -86,6 +85,7 @@ from regather.tools.estimate.config import (
     ring,
     split_strategy,
 )
+from regather.tools.shapes import experts_share_lora
 
 EXPERTS_ACTIVATION = "the experts' activation"  # the producer of an expert fc2 input
 

@@ -22,10 +22,10 @@ Findings (details and numbers in each test):
 import pytest
 import torch
 import workers_bridge_canonical as WC
+from tests.harness.bridge_env import INSTALL_HINT, bridge_available
+from tests.harness.numerics import check_rounding
 
-from regather.testing.bridge_env import INSTALL_HINT, bridge_available
-from regather.testing.dist import run_ranks
-from regather.testing.numerics import check_rounding
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not bridge_available(), reason=INSTALL_HINT),
               pytest.mark.timeout(600)]
@@ -37,7 +37,7 @@ X_FULL, X_LOCAL = S * B * H * FP32, S * B * H * FP32 // T
 X_GATHER = X_FULL * (T - 1) // T
 # TP=1 vs TP=2 (fp32 logits, measured 9.5e-7 apart on one machine, 2.4e-6 on another, norm-relative) are other summation orders: the
 # TP=2 (or other) result against the TP=1 run's function in fp64, within three times the TP=1 fp32
-# run's own error plus 4 ulps (regather.testing.numerics, ``reshard``)
+# run's own error plus 4 ulps (tests.harness.numerics, ``reshard``)
 QKV, FC1 = "self_attention.linear_qkv", "mlp.linear_fc1"
 
 
@@ -60,7 +60,7 @@ def rel_err(got, ref) -> float:
 
 def reshard(got, ref, ref64, what: str):
     """``got`` (TP=2, or another path) against ``ref64``, the fp64 run of the function whose TP=1 fp32
-    run is ``ref`` (regather.testing.numerics)."""
+    run is ``ref`` (tests.harness.numerics)."""
     assert ref64.dtype == torch.float64, what
     check_rounding(got, ref, ref64, what)
 
@@ -118,7 +118,7 @@ def test_lowrank_matches_bridge_to_summation_order(runs):
     for res in runs:
         p = case(res, "parity")
         # another summation order than Bridge's gather path (measured 5.8e-7 apart): both against the
-        # same function in fp64 (regather.testing.numerics: within 3x the gather path's own error + 4 ulps)
+        # same function in fp64 (tests.harness.numerics: within 3x the gather path's own error + 4 ulps)
         mine, ref, ref64 = p["regather/lowrank"], p["bridge/gather"], p["fp64"]
         for k in ("logits", "loss", "input_grad"):
             check_rounding(mine[k], ref[k], ref64[k], k)

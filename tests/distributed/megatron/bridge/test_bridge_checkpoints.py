@@ -8,9 +8,9 @@ into the unwrapped model, adapters through ``adapter_key_filter`` with ``strict=
 import pytest
 import workers_bridge as W
 import workers_bridge_ckpt as C
+from tests.harness.bridge_env import INSTALL_HINT, bridge_available
 
-from regather.testing.bridge_env import INSTALL_HINT, bridge_available
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not bridge_available(), reason=INSTALL_HINT),
               pytest.mark.timeout(600)]

@@ -7,14 +7,14 @@ Bridge's side runs Bridge's own code: its model section (``_generate_model_state
 adapter filter (``apply_peft_adapter_filter_to_state_dict``) for saving, ``load_peft_adapter_checkpoint``
 for loading (``fully_parallel_load=False``: megatron's fully-parallel load exchanges shards
 through CUDA buffers). dist_checkpointing runs on gloo after
-``regather.testing.megatron_ckpt.enable_dist_checkpointing_cpu``."""
+``tests.harness.megatron_ckpt.enable_dist_checkpointing_cpu``."""
 
 import pytest
 import workers_bridge as W
 import workers_bridge_ckpt as C
+from tests.harness.bridge_env import INSTALL_HINT, bridge_available
 
-from regather.testing.bridge_env import INSTALL_HINT, bridge_available
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not bridge_available(), reason=INSTALL_HINT),
               pytest.mark.timeout(600)]

@@ -1,6 +1,6 @@
 """Bridge 0.6.2's PEFT code with the pinned megatron-core 0.16.1 (not the 0.19.2 that
 ``make test-bridge`` puts on the path): a subprocess without the 0.19.2 directory, where
-``regather.testing.bridge_env`` adds the ``HybridStack`` stand-in (0.16.1 has no
+``tests.harness.bridge_env`` adds the ``HybridStack`` stand-in (0.16.1 has no
 ``megatron.core.models.hybrid``). Same parity as test_bridge_parity, reduced."""
 
 import json
@@ -10,8 +10,7 @@ import sys
 import textwrap
 
 import pytest
-
-from regather.testing.bridge_env import INSTALL_HINT, bridge_available
+from tests.harness.bridge_env import INSTALL_HINT, bridge_available
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not bridge_available(), reason=INSTALL_HINT),
               pytest.mark.timeout(600)]
@@ -32,7 +31,7 @@ def test_bridge_peft_on_megatron_core_0_16_1():
         warnings.filterwarnings("ignore")
         sys.path.insert(0, {HERE!r})
         import workers_bridge as W
-        from regather.testing.dist import run_ranks
+        from regather.tools.cpu.dist import run_ranks
         print("RESULT", json.dumps(run_ranks(W.mcore016_worker, W.TP, timeout=200)))
     """)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=540)

@@ -25,11 +25,11 @@ import functools
 
 import pytest
 import torch
+from tests.harness.bridge_env import INSTALL_HINT, bridge_available
+from tests.harness.numerics import check_rounding
 
-from regather.testing.bridge_env import INSTALL_HINT, bridge_available
-from regather.testing.dist import run_ranks
-from regather.testing.moe_models import assemble
-from regather.testing.numerics import check_rounding
+from regather.tools.cpu.dist import run_ranks
+from regather.tools.cpu.moe_models import assemble
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not bridge_available(), reason=INSTALL_HINT),
               pytest.mark.timeout(600)]
@@ -47,7 +47,7 @@ else:  # collected, then skipped
     CASES = {"tp2_ep2": None, "tp2_etp2": None}
 # regather's layouts against the one-rank run: other summation orders (measured 1.1e-6 apart), so
 # held against the one-rank run in float64, within three times the one-rank fp32 run's own error plus
-# 4 ulps (regather.testing.numerics), as tests/distributed/megatron/moe/test_moe.py does
+# 4 ulps (tests.harness.numerics), as tests/distributed/megatron/moe/test_moe.py does
 
 
 @functools.lru_cache(maxsize=1)

@@ -8,9 +8,9 @@ One spawn of two gloo ranks computes everything (workers_bridge.parity_worker)."
 import pytest
 import torch
 import workers_bridge as W
+from tests.harness.bridge_env import INSTALL_HINT, bridge_available
 
-from regather.testing.bridge_env import INSTALL_HINT, bridge_available
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not bridge_available(), reason=INSTALL_HINT),
               pytest.mark.timeout(420)]

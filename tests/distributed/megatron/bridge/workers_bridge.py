@@ -1,6 +1,6 @@
 """Rank workers for the tests against the real Megatron Bridge (spawned by run_ranks).
 
-One tiny megatron-core GPT (``regather.testing.models.build_gpt``: local spec, TP=2 + SP,
+One tiny megatron-core GPT (``regather.tools.cpu.models.build_gpt``: local spec, TP=2 + SP,
 fp32, same base weights on every build) is adapted by Bridge's ``LoRA``, by ``regather.LoRA``
 and by ``regather.bridge.LoRA``. Bridge initialises its adapters itself; every other model
 gets Bridge's adapter weights copied in by parameter name (the name sets must be equal), so
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from regather.testing.models import TinyGPT, build_gpt, gpt_batch
+from regather.tools.cpu.models import TinyGPT, build_gpt, gpt_batch
 
 SHAPE = TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                 vocab_size=256, seq_length=32)
@@ -24,7 +24,7 @@ GATED = {"gated_linear_unit": True, "activation_func": F.silu}
 
 
 def bridge_peft():
-    from regather.testing.bridge_env import import_bridge_peft
+    from tests.harness.bridge_env import import_bridge_peft
 
     return import_bridge_peft()
 
@@ -193,8 +193,7 @@ def mcore016_worker(rank: int, world_size: int) -> dict:
     on the path (the 0.16.1 test runs this without the 0.19.2 directory). Returns the largest
     absolute differences, the retained bytes and the reduce-scatter calls."""
     import megatron.core
-
-    from regather.testing.bridge_env import installed_shims
+    from tests.harness.bridge_env import installed_shims
 
     bridge_peft()
     batch = gpt_batch(SHAPE, MICRO_BATCH, seed=3)

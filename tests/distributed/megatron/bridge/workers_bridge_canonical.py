@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import workers_bridge as W
 import workers_bridge_ckpt as C
 
-from regather.testing.models import TinyGPT, gpt_batch
+from regather.tools.cpu.models import TinyGPT, gpt_batch
 
 SHAPE = TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                 ffn_hidden_size=128, vocab_size=256, seq_length=32)
@@ -42,7 +42,7 @@ _STATE = {"tp": None}
 
 
 def parallel(tp: int) -> None:
-    from regather.testing.models import init_model_parallel
+    from regather.tools.cpu.models import init_model_parallel
 
     if _STATE["tp"] != tp:
         init_model_parallel(tp)
@@ -61,7 +61,7 @@ def bridge_adapter_cls():
 
 def base_model(tp: int = TP, config: dict = GATED, sp: bool = True, shape: TinyGPT = SHAPE,
                dtype: torch.dtype = torch.float32):
-    from regather.testing.models import build_gpt
+    from regather.tools.cpu.models import build_gpt
 
     parallel(tp)  # megatron draws CPU-initialised weights in fp32 whatever params_dtype: fp64 is their cast
     return build_gpt(shape, tp, sequence_parallel=sp, dtype=dtype, seed=BASE_SEED, init_parallel=False,
@@ -213,7 +213,7 @@ def parity(out: dict) -> None:
         models[f"regather/{variant}"] = regather_model(variant)
         W.copy_adapters(reference, models[f"regather/{variant}"])
     # the same function in fp64 from the same weights: the reference of lowrank (another summation
-    # order than the gather path's; regather.testing.numerics)
+    # order than the gather path's; tests.harness.numerics)
     models["fp64"] = regather_model("gather", dtype=torch.float64)
     W.copy_adapters(reference, models["fp64"])
     for name, model in models.items():
@@ -289,7 +289,7 @@ def dist_checkpoints_tp2(out: dict, root: str) -> None:
     """Gated GPT, TP=2: each side saves a full checkpoint the way it saves (Bridge: its model section;
     regather: ``{"model": sharded_state_dict()}``); each loads both the way it loads (regather: strict
     ``load_state_dict``; Bridge: its ``load_peft_adapter_checkpoint``, adapters only)."""
-    from regather.testing.bridge_env import import_bridge_checkpointing
+    from tests.harness.bridge_env import import_bridge_checkpointing
 
     bridge_ckpt = import_bridge_checkpointing()
     import megatron.bridge.peft.utils as bridge_utils
@@ -350,7 +350,7 @@ def tp1_phase(res: dict, root: str) -> dict:
     load_full(mine, res["parity"]["bridge_full_weights"])
     out["regather"] = {"logits": logits(mine, data)}
     # the TP=1 / TP=2 comparisons are other summation orders: their references, the same functions in
-    # fp64 at TP=1 (regather.testing.numerics): Bridge's TP=2 weights, the odd-token model's, regather's
+    # fp64 at TP=1 (tests.harness.numerics): Bridge's TP=2 weights, the odd-token model's, regather's
     # checkpointed ones
     out["fp64"] = _fp64_logits(res["parity"]["bridge_full_weights"], data)
     # a correct reference for the TP=2 runs Bridge cannot do: Bridge at TP=1
@@ -374,7 +374,7 @@ def tp1_phase(res: dict, root: str) -> dict:
         out[f"{source}->regather"] = {"weights": full_weights(model), "logits": logits(model, data)}
     # a Bridge checkpoint written at TP=1 (its SwiGLU factory is the identity there), from Bridge's
     # TP=2 weights, for phase 3
-    from regather.testing.bridge_env import import_bridge_checkpointing
+    from tests.harness.bridge_env import import_bridge_checkpointing
 
     saver = bridge_model(tp=1)
     load_full(saver, res["ckpt"]["bridge_weights"])
@@ -406,8 +406,7 @@ def tp2_from_tp1(res: dict, root: str) -> dict:
 
 def canonical_worker(rank: int, world_size: int, root: str) -> dict:
     import megatron.core
-
-    from regather.testing.megatron_ckpt import enable_dist_checkpointing_cpu
+    from tests.harness.megatron_ckpt import enable_dist_checkpointing_cpu
 
     enable_dist_checkpointing_cpu()
     W.bridge_peft()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import workers_bridge as W
 
-from regather.testing.models import gpt_batch
+from regather.tools.cpu.models import gpt_batch
 
 STRATEGIES = ("gather", "regather", "lowrank")
 
@@ -167,9 +167,10 @@ def _save(sharded: dict, directory: str) -> None:
 
 
 def dist_checkpoint_worker(rank: int, world_size: int, root: str) -> dict:
+    from tests.harness.bridge_env import import_bridge_checkpointing
+    from tests.harness.megatron_ckpt import enable_dist_checkpointing_cpu
+
     from regather.megatron.dense import checkpoint
-    from regather.testing.bridge_env import import_bridge_checkpointing
-    from regather.testing.megatron_ckpt import enable_dist_checkpointing_cpu
 
     enable_dist_checkpointing_cpu()
     W.bridge_peft()

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from workers_moe import TARGETS, Case, train
 
-from regather.testing.moe_models import GlobalLayout, TinyMoE, build_moe_gpt, full_weights
+from regather.tools.cpu.moe_models import GlobalLayout, TinyMoE, build_moe_gpt, full_weights
 
 # variant -> (which LoRA, regather flag, regather.bridge's other fields)
 SIDES = {"bridge": ("bridge", False, {}), "bridge-regather": ("bridge", True, {}),
@@ -28,7 +28,7 @@ SIDES = {"bridge": ("bridge", False, {}), "bridge-regather": ("bridge", True, {}
 def _transform(which: str, regather: bool, dim: int, **extra):
     kw = dict(target_modules=list(TARGETS), dim=dim, alpha=2 * dim, lora_B_init_method="xavier",
               sequence_parallel_input_regather=regather, **extra)
-    from regather.testing.bridge_env import import_bridge_peft
+    from tests.harness.bridge_env import import_bridge_peft
 
     peft = import_bridge_peft()  # Bridge's PEFT package with the CPU shims (regather.bridge needs it too)
     if which == "bridge":
@@ -52,7 +52,7 @@ def side_by_side(rank: int, world: int, cases: dict) -> dict:
 def reference(rank: int, world: int, cases: dict) -> dict:
     """Each case on one rank (TP = EP = ETP = 1) through regather.bridge.LoRA's gather path, and the
     same run in float64 under "fp64" (the reference of the layouts' other summation orders,
-    regather.testing.numerics)."""
+    tests.harness.numerics)."""
     out = {}
     for name, case in cases.items():
         out[name] = train(case.reference(), "rb-gather", wrap=wrap)
@@ -87,9 +87,8 @@ def cross_load(rank: int, world: int, root: str) -> dict:
     own ``load_peft_adapter_checkpoint`` after wrapping (tests/distributed/megatron/bridge/test_bridge_dist_checkpoints.py)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-
-    from regather.testing.bridge_env import import_bridge_checkpointing, import_bridge_peft
-    from regather.testing.megatron_ckpt import enable_dist_checkpointing_cpu
+    from tests.harness.bridge_env import import_bridge_checkpointing, import_bridge_peft
+    from tests.harness.megatron_ckpt import enable_dist_checkpointing_cpu
 
     enable_dist_checkpointing_cpu()
     import_bridge_peft()

@@ -1,6 +1,6 @@
 """LoRA on megatron-core's mixture-of-experts layers (issue 15): a tiny MoE GPT — megatron's own
 ``MoELayer``, router, alltoall / allgather token dispatcher and ``SequentialMLP`` or
-``TEGroupedMLP`` experts (the TE grouped linears as ``regather.testing.fake_te_grouped``
+``TEGroupedMLP`` experts (the TE grouped linears as ``regather.tools.cpu.fake_te_grouped``
 stand-ins) — trained two SGD steps on 2 and 4 gloo ranks at TP2+SP x EP2 (ETP1), TP2 x ETP2 and
 TP2 x EP2 x ETP2, with LoRA on linear_qkv / linear_proj / linear_fc1 / linear_fc2.
 
@@ -11,13 +11,13 @@ What is checked, per case (``CASES``):
   adapters and the dense ones run the same GEMMs (regather early and plain, ``-rc``); where a
   variant sums in another order (lowrank's dense adapters, a shared expert LoRA-A before the
   dispatch, early regather with a shared expert), fp32 results against the gather path's run in
-  float64, within three times the gather path's own error (regather.testing.numerics; bf16 lowrank
+  float64, within three times the gather path's own error (tests.harness.numerics; bf16 lowrank
   within a stated tolerance); lowrank-rc bit-exact against lowrank without recompute;
 - the gather path against the same full weights at TP = EP = ETP = 1 on one rank (megatron
   initialises experts per EP rank, so every layout loads ``full_weights``): losses and the first
   step's gradient of every LoRA weight, reassembled from the ranks into full tensors, against the
   one-rank run in float64, within three times the one-rank fp32 run's own error
-  (regather.testing.numerics);
+  (tests.harness.numerics);
 - decisions and logs: every expert adapter runs the dispatcher's path with the expert reason,
   one log line per distinct reason covering every adapter it concerns;
 - counted bytes: what each expert adapter keeps is the tokens routed to it times its input
@@ -32,13 +32,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tests.harness.numerics import check_rounding
+from tests.harness.spawn_groups import SpawnGroups
 from workers_moe import VARIANTS, Case, case_worker, reference_worker
 
 from regather.megatron.dense.eligibility import EXPERT_REASON
 from regather.megatron.moe.inputs import PREDISPATCH, REDISPATCH, REDISPATCH_OPT_IN
-from regather.testing.moe_models import TinyMoE, assemble
-from regather.testing.numerics import check_rounding
-from regather.testing.spawn_groups import SpawnGroups
+from regather.tools.cpu.moe_models import TinyMoE, assemble
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -60,7 +60,7 @@ def early_with_shared_expert(case, variant) -> bool:
 
 def with_fp64(case: Case) -> Case:
     """``case`` also training, in float64, the variants its other summation orders are held against
-    (regather.testing.numerics): gather, and lowrank where lowrank-rc runs before the dispatch."""
+    (tests.harness.numerics): gather, and lowrank where lowrank-rc runs before the dispatch."""
     other = [v for v in case.variants
              if strategy(v) == "lowrank" or predispatched(case, v) or early_with_shared_expert(case, v)]
     if case.dtype != "float32" or not other:
@@ -122,14 +122,14 @@ _BY_WORLD = {w: [[n] for n, c in CASES.items() if c.world == w and n not in _sha
 RUNS = {w: SpawnGroups(case_worker, w, groups, CASES, timeout=240) for w, groups in _BY_WORLD.items()}
 REFERENCE = SpawnGroups(reference_worker, 1, [FP32], CASES, True, timeout=240)  # True: and in fp64
 
-# lowrank against gather in bf16 (fp32: against the fp64 gather run, regather.testing.numerics): bf16
+# lowrank against gather in bf16 (fp32: against the fp64 gather run, tests.harness.numerics): bf16
 # rounds every GEMM to 8 bits.
 LOWRANK_TOL = {"bfloat16": 3e-2}
 # the layout against TP = EP = ETP = 1: the same maths in other summation orders (TP partial sums,
 # the SP gather and reduce-scatter, tokens summed per expert in another order, dA summed over EP
 # copies; measured at most 1.2e-6 of each tensor's largest entry apart), so the layout's losses and
 # first-step gradients are held against the one-rank run in float64, within three times the one-rank
-# fp32 run's own error plus 4 ulps (regather.testing.numerics).
+# fp32 run's own error plus 4 ulps (tests.harness.numerics).
 
 # a shared grouped LoRA-A before the dispatch (regather.core.strategies.predispatched): dA summed over
 # tokens instead of routed rows, dx once per token instead of per routed row; the same products in
@@ -235,7 +235,7 @@ def losses(run):
 def rounding(run, ref, fp64, what):
     """``run``, another summation order of ``ref``'s function (fp32), against ``fp64`` (that function
     trained in float64): losses, every last-step gradient and final weight within three times
-    ``ref``'s own error plus 4 ulps (regather.testing.numerics)."""
+    ``ref``'s own error plus 4 ulps (tests.harness.numerics)."""
     check_rounding(losses(run), losses(ref), losses(fp64), what + " losses", dtype=torch.float32)
     for key in ("grads", "final"):
         assert run[key].keys() == ref[key].keys() == fp64[key].keys(), what
@@ -260,7 +260,7 @@ def test_layout_matches_single_rank_reference(name):
     """The gather path at this TP x EP x ETP against the same full weights on one rank; so does a
     shared expert LoRA-A before the dispatch (its own summation order). Other summation orders than
     the one-rank run's: against that run in float64, within three times the one-rank fp32 run's own
-    error plus 4 ulps (regather.testing.numerics)."""
+    error plus 4 ulps (tests.harness.numerics)."""
     per_rank = ranks(name)
     ref = REFERENCE.ranks(FP32[0])[0][name]
     ref64 = ref["fp64"]

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.harness.spawn_groups import SpawnGroups
 from workers_moe import Case, case_worker, reference_worker
 
 from regather.megatron.dense.eligibility import EXPERT_REASON
-from regather.testing.moe_models import TinyMoE, assemble
-from regather.testing.spawn_groups import SpawnGroups
+from regather.tools.cpu.moe_models import TinyMoE, assemble
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 

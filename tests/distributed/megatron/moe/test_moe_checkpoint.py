@@ -15,8 +15,8 @@ import pytest
 import torch
 from workers_moe_ckpt import KINDS, load_side, save_side
 
-from regather.testing.dist import run_ranks
-from regather.testing.moe_models import assemble
+from regather.tools.cpu.dist import run_ranks
+from regather.tools.cpu.moe_models import assemble
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 SAVE = (2, 2, 1)  # tp, ep, etp

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.harness.spawn_groups import SpawnGroups
 from workers_moe import Case, case_worker
 
 from regather.megatron.dense.eligibility import IN_CHECKPOINT
 from regather.megatron.moe.inputs import PREDISPATCH, REDISPATCH
-from regather.testing.moe_models import TinyMoE
-from regather.testing.spawn_groups import SpawnGroups
+from regather.tools.cpu.moe_models import TinyMoE
 from regather.tools.estimate import ROUTER_KEEPS_NOTHING  # estimate's and doctor's sentence: the adapters' own
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]

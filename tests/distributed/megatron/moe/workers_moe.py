@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from regather.megatron.moe.inputs import expert_inputs_of
-from regather.testing.moe_models import GlobalLayout, TinyMoE, build_moe_gpt, full_weights
-from regather.testing.moe_train import record_routed, reduce_like_ddp
+from regather.tools.cpu.moe_models import GlobalLayout, TinyMoE, build_moe_gpt, full_weights
+from regather.tools.cpu.moe_train import record_routed, reduce_like_ddp
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # variant -> (strategy, LoRA overrides); the "-rc" ones with recompute_adapter_inputs
@@ -71,7 +71,7 @@ class Case:
     # (regather.megatron.moe.dispatch.Route's last step perturbed without autograd)
     fault_rank: int | None = None
     # variants also trained in float64 from the same weights and batches, under "fp64": the
-    # references of results that are other summation orders (regather.testing.numerics)
+    # references of results that are other summation orders (tests.harness.numerics)
     fp64: tuple = ()
 
     @property
@@ -117,7 +117,7 @@ def batches(case: Case):
     """This DP rank's rows of each step's global batch (a list of micro-batches per step)."""
     from megatron.core import parallel_state as ps
 
-    from regather.testing.models import gpt_batch
+    from regather.tools.cpu.models import gpt_batch
 
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per = case.batch // dp
@@ -137,7 +137,7 @@ def _step(model, micro_batches: list, first=None, schedule: str = "step", out: d
     calls of one forward, the gradients after the first go to ``out["retain_first"]``."""
     import contextlib
 
-    from regather.testing.models import gpt_loss
+    from regather.tools.cpu.models import gpt_loss
 
     if schedule == "retain":
         tokens, _, position_ids, mask = micro_batches[0]
@@ -181,7 +181,7 @@ def train(case: Case, variant: str, init_parallel: bool = True, wrap=None) -> di
 
     from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes
     from regather.megatron.dense.model import adapters, decisions
-    from regather.testing.train import AdapterSavedBytes
+    from regather.tools.cpu.train import AdapterSavedBytes
 
     logs = _Records()
     logger = logging.getLogger("regather")
@@ -276,7 +276,7 @@ def reference_worker(rank: int, world_size: int, group: tuple, cases: dict, fp64
     """Each case of ``group`` on one rank (TP = EP = ETP = 1): the gather path's results (the case's
     first variant's transform: ``LoRA``, or ``CanonicalLoRA`` for canonical cases); with ``fp64``, also
     the same run in float64 under "fp64" (the reference of the layouts' other summation orders,
-    regather.testing.numerics)."""
+    tests.harness.numerics)."""
     out = {}
     for name in group:
         case, variant = cases[name].reference(), cases[name].variants[0]

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from regather.testing.moe_models import GlobalLayout, TinyMoE, build_moe_gpt, full_weights
+from regather.tools.cpu.moe_models import GlobalLayout, TinyMoE, build_moe_gpt, full_weights
 
 KINDS = {
     # kind -> (TinyMoE experts, share_expert_adapters)
@@ -46,8 +46,7 @@ def _pieces(model, layout) -> dict:
 def save_side(rank: int, world: int, root: str, tp: int, ep: int, etp: int) -> dict:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-
-    from regather.testing.megatron_ckpt import enable_dist_checkpointing_cpu
+    from tests.harness.megatron_ckpt import enable_dist_checkpointing_cpu
 
     enable_dist_checkpointing_cpu()
     out = {}
@@ -66,8 +65,7 @@ def load_side(rank: int, world: int, root: str, tp: int, ep: int, etp: int) -> d
     """Strict: ``dist_checkpointing.load`` into the model's own sharded state dict (megatron
     raises on a key missing from the checkpoint), then ``load_state_dict(strict=True)``."""
     from megatron.core import dist_checkpointing
-
-    from regather.testing.megatron_ckpt import enable_dist_checkpointing_cpu
+    from tests.harness.megatron_ckpt import enable_dist_checkpointing_cpu
 
     enable_dist_checkpointing_cpu()
     out = {}

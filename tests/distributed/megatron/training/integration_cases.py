@@ -4,7 +4,7 @@ A *case* is one megatron setup (DDP options, gradient-accumulation fusion) on on
 topology; it trains one model per strategy, the reference first, in the same process
 group (fresh parallel state and models for each run), through megatron's DDP,
 ``get_megatron_optimizer``, ``get_forward_backward_func`` and ``finalize_model_grads``
-(``regather.testing.megatron_train``). Every item of the matrix is covered at least once
+(``tests.harness.megatron_train``). Every item of the matrix is covered at least once
 per topology where it applies:
 
 =================  ==========  ===========  ======  =============  =========================
@@ -43,7 +43,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from regather.testing.megatron_train import (
+from tests.harness.megatron_train import (
     STRATEGIES,
     DDPOptions,
     TrainSpec,
@@ -51,7 +51,8 @@ from regather.testing.megatron_train import (
     train_agreed,
     warm_up,
 )
-from regather.testing.models import TinyGPT
+
+from regather.tools.cpu.models import TinyGPT
 
 # recompute_adapter_inputs variants: the strategy's entry plus the flag (imported in every rank too)
 RECOMPUTE_TWIN = {"regather-rc": "regather", "regather-plain-rc": "regather-plain", "lowrank-rc": "lowrank",

@@ -24,8 +24,7 @@ from integration_cases import (
     runs_for,
     tolerance,
 )
-
-from regather.testing.spawn_groups import SpawnGroups
+from tests.harness.spawn_groups import SpawnGroups
 
 REL_FUSED_WGRAD = 1e-6  # megatron's fused wgrad (one GEMM into main_grad) vs GEMM + add
 # One spawn per case group (``case_groups``), run by the first test that asks for one of its

@@ -3,7 +3,7 @@
 Real dist_checkpointing (default ``torch_dist`` strategies), real gloo ranks, real GPTModel
 (2 layers, h=64, ffn=128, 4 heads, vocab 256), LoRA r=16 on all four targets with non-zero
 LoRA-B. Checkpoints are written at TP=2 and read back at TP=2, TP=1 and TP=4 (three spawns,
-workers_ckpt.py); ``regather.testing.megatron_ckpt`` makes dist_checkpointing run on CPU.
+workers_ckpt.py); ``tests.harness.megatron_ckpt`` makes dist_checkpointing run on CPU.
 
 Parity:
 - same TP size: bit-exact. A model loaded under strategy ``s_load`` is compared with the
@@ -23,7 +23,7 @@ import pytest
 import torch
 from workers_ckpt import FC1, GATED_PAIRS, GATED_STRATEGIES, RANK_R, SHAPE, STRATEGIES, load_side, save_side
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 import pytest
 import torch
 from integration_checks import same
+from tests.harness.spawn_groups import SpawnGroups
 from workers_moe_ddp import CASES, SPEC, WORLD, run_case
 
 from regather.megatron.dense.eligibility import EXPERT_REASON
 from regather.megatron.moe.inputs import REDISPATCH, REDISPATCH_OPT_IN
-from regather.testing.spawn_groups import SpawnGroups
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 

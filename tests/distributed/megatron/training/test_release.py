@@ -11,7 +11,7 @@ those of the default group alone, and weak references to the run's DDP and optim
 
 import pytest
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -37,9 +37,8 @@ def runs_then_teardown(rank, world_size, runs):
 
     import torch.distributed as dist
     from integration_cases import spec_for
-
-    from regather.testing import megatron_train as mt
-    from regather.testing.megatron_train import build as mt_build  # where train() looks build_optimizer up
+    from tests.harness import megatron_train as mt
+    from tests.harness.megatron_train import build as mt_build  # where train() looks build_optimizer up
 
     mt.warm_up()
     before = gloo_threads()  # the default group's threads (and nothing else yet)

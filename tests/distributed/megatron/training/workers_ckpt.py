@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from regather import LoRA, adapters, set_strategy
 from regather.core.comm import all_gather_dim
-from regather.testing.models import TinyGPT, build_gpt, gpt_batch, init_model_parallel
+from regather.tools.cpu.models import TinyGPT, build_gpt, gpt_batch, init_model_parallel
 
 SHAPE = TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                 vocab_size=256, seq_length=32)
@@ -56,7 +56,7 @@ _AGREE: dict = {}  # the gloo group the ranks agree on case outcomes over (see _
 
 
 def _setup(tp: int) -> None:
-    from regather.testing.megatron_ckpt import enable_dist_checkpointing_cpu
+    from tests.harness.megatron_ckpt import enable_dist_checkpointing_cpu
 
     enable_dist_checkpointing_cpu()
     _AGREE["group"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=AGREE_TIMEOUT_S))

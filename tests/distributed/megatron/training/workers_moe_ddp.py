@@ -1,7 +1,7 @@
 """Rank worker for test_moe_ddp.py: a tiny megatron-core MoE GPT (megatron's MoELayer, router,
 alltoall dispatcher, SequentialMLP experts) trained through megatron's own DDP, distributed
 optimizer, ``get_forward_backward_func`` and ``finalize_model_grads``
-(``regather.testing.megatron_train``) at TP2+SP x DP2 with EP2 x ETP1 on 4 gloo ranks: the
+(``tests.harness.megatron_train``) at TP2+SP x DP2 with EP2 x ETP1 on 4 gloo ranks: the
 dense parameters reduce over DP (2 ranks), the expert ones over expert DP (2 ranks), each
 group's grads in its own DDP buffers; and at TP2+SP x PP2 with EP2 in each stage under megatron's
 1F1B schedule.
@@ -17,9 +17,9 @@ import time
 from dataclasses import replace
 
 from integration_cases import RECOMPUTE_TWIN  # noqa: F401 - registers the "-rc" strategies
+from tests.harness.megatron_train import STRATEGIES, DDPOptions, TrainSpec, teardown_parallel, train_agreed, warm_up
 
-from regather.testing.megatron_train import STRATEGIES, DDPOptions, TrainSpec, teardown_parallel, train_agreed, warm_up
-from regather.testing.moe_models import TinyMoE
+from regather.tools.cpu.moe_models import TinyMoE
 
 # per-expert LoRA-A inputs dispatched again in backward (issue 16)
 STRATEGIES.setdefault("regather-rc-rd", ("regather", {"recompute_adapter_inputs": True,

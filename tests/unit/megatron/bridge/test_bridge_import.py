@@ -11,8 +11,7 @@ import sys
 import textwrap
 
 import pytest
-
-from regather.testing.bridge_env import INSTALL_HINT, bridge_available
+from tests.harness.bridge_env import INSTALL_HINT, bridge_available
 
 pytestmark = pytest.mark.timeout(180)
 needs_bridge = pytest.mark.skipif(not bridge_available(), reason=INSTALL_HINT)
@@ -88,7 +87,7 @@ def test_import_regather_with_bridge_on_the_path_does_not_import_it():
 
 @pytest.fixture(scope="module")
 def bridge():
-    from regather.testing.bridge_env import import_bridge_peft
+    from tests.harness.bridge_env import import_bridge_peft
 
     lora = import_bridge_peft()
     import regather.megatron.bridge as rb

@@ -8,7 +8,7 @@ from operator import attrgetter
 
 import torch
 
-from regather.core.shapes import ModelShape
+from regather.tools.shapes import ModelShape
 
 #: megatron's names (``TransformerConfig`` / ``GPTModel``) of the shape fields: the harness's shapes
 #: take them as constructor keywords and answer to them as attributes.
@@ -74,11 +74,11 @@ def init_model_parallel(
     collective / p2p op of megatron's groups (megatron's default is 30 min; a test
     that can leave one pipeline stage waiting on a failed peer wants less). ``ep`` /
     ``etp``: expert model / expert tensor parallelism (megatron's default ETP is ``tp``);
-    with ``ep > 1`` or an ``etp`` the MoE CPU shims (:mod:`regather.testing.moe_cpu`) are on.
+    with ``ep > 1`` or an ``etp`` the MoE CPU shims (:mod:`regather.tools.cpu.moe_cpu`) are on.
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    from regather.testing.megatron_cpu import enable_megatron_cpu
+    from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
     enable_megatron_cpu()
     parallel_state.destroy_model_parallel()
@@ -88,7 +88,7 @@ def init_model_parallel(
     if timeout_minutes is not None:
         kwargs["distributed_timeout_minutes"] = timeout_minutes
     if ep > 1 or etp is not None:
-        from regather.testing.moe_cpu import enable_moe_cpu
+        from regather.tools.cpu.moe_cpu import enable_moe_cpu
 
         enable_moe_cpu()
         kwargs.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if etp is None else etp)

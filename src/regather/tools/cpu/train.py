@@ -20,7 +20,7 @@ from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
 from regather.megatron.dense.model import adapters
 from regather.megatron.lora import LoRA
 from regather.megatron.reasons import ALL_TARGETS
-from regather.testing.models import TinyGPT, batch_from_tokens, build_gpt, gpt_batch, gpt_loss
+from regather.tools.cpu.models import TinyGPT, batch_from_tokens, build_gpt, gpt_batch, gpt_loss
 
 
 @dataclass

@@ -3,14 +3,14 @@
 :func:`compare_moe` runs on every rank of an initialised gloo default group (``TP x EP x ETP``,
 world ``max(tp, ep * etp)``; DP = world / tp takes its own rows of each global batch and reduces
 gradients as megatron's DDP does). One model per variant (:func:`variant_options`), each built
-by :func:`regather.testing.moe_models.build_moe_gpt` and loaded with the same full weights
-(:class:`~regather.testing.moe_models.GlobalLayout` + ``full_weights``: megatron initialises
+by :func:`regather.tools.cpu.moe_models.build_moe_gpt` and loaded with the same full weights
+(:class:`~regather.tools.cpu.moe_models.GlobalLayout` + ``full_weights``: megatron initialises
 experts per EP rank, docs/design.md §9), so every variant starts from identical weights and sees
 the same batches. Step ``i`` runs each variant once, in an order rotated by ``i`` (as
-:func:`regather.testing.train.compare_strategies`), after a barrier.
+:func:`regather.tools.cpu.train.compare_strategies`), after a barrier.
 
 Measured per variant, on this rank: LoRA-A input bytes per adapter (the first forward,
-:class:`~regather.testing.train.AdapterSavedBytes`) and the retained total; collective bytes by
+:class:`~regather.tools.cpu.train.AdapterSavedBytes`) and the retained total; collective bytes by
 kind of *every* step (the first one also checks each MoE layer's route once under the expert
 recompute; with DP > 1 the step's DDP-like gradient reduction is in it); the tokens routed to
 this rank's local experts per MoE layer and forward; step times; losses (the DP mean); the last
@@ -28,7 +28,7 @@ import torch
 
 from regather.megatron.lora import DEFAULT_TARGETS
 from regather.megatron.moe.inputs import expert_inputs_of
-from regather.testing.moe_models import TinyMoE
+from regather.tools.cpu.moe_models import TinyMoE
 
 REDISPATCH = "-recompute-redispatch"
 _REDISPATCH_OPTS = {"recompute_adapter_inputs": True, "redispatch_expert_inputs": True}
@@ -64,9 +64,9 @@ class MoERun:
 
 def variant_options(name: str) -> tuple[str, dict]:
     """``(strategy, LoRA overrides)`` of a variant: a strategy, one of
-    :data:`regather.testing.train.VARIANTS` (``regather-recompute``, ...), or
+    :data:`regather.tools.cpu.train.VARIANTS` (``regather-recompute``, ...), or
     ``<strategy>-recompute-redispatch`` (per-expert LoRA-A inputs dispatched again in backward)."""
-    from regather.testing.train import VARIANTS, requestable_strategies
+    from regather.tools.cpu.train import VARIANTS, requestable_strategies
 
     if name.endswith(REDISPATCH):
         strategy, opts = name[: -len(REDISPATCH)], dict(_REDISPATCH_OPTS)
@@ -79,7 +79,7 @@ def variant_options(name: str) -> tuple[str, dict]:
 
 def moe_variants() -> list[str]:
     """Every variant this build can train on a MoE model."""
-    from regather.testing.train import requestable_strategies
+    from regather.tools.cpu.train import requestable_strategies
 
     return requestable_strategies() + [s + REDISPATCH for s in requestable_strategies(variants=False)]
 
@@ -92,7 +92,7 @@ def base_variant(name: str) -> str:
 def lora_for(run: MoERun, name: str):
     from regather.core.strategies import Strategy
     from regather.megatron.lora import LoRA
-    from regather.testing.train import lora_asking
+    from regather.tools.cpu.train import lora_asking
 
     strategy, opts = variant_options(name)
     kwargs = dict(target_modules=list(run.targets), dim=run.lora_dim, alpha=run.lora_alpha,
@@ -105,8 +105,8 @@ def lora_for(run: MoERun, name: str):
 def build(run: MoERun, name: str):
     """The LoRA-wrapped MoE GPT of variant ``name`` holding the run's full weights (parallel
     state already initialised), and its layout map."""
-    from regather.testing.moe_models import GlobalLayout, build_moe_gpt, full_weights
-    from regather.testing.train import require_decoder_input_grad
+    from regather.tools.cpu.moe_models import GlobalLayout, build_moe_gpt, full_weights
+    from regather.tools.cpu.train import require_decoder_input_grad
 
     model = build_moe_gpt(run.shape, run.tp, run.ep, run.etp, run.torch_dtype, seed=run.seed, init_parallel=False)
     model = lora_for(run, name)(model, training=True)
@@ -121,7 +121,7 @@ def batches(run: MoERun):
     """This DP rank's rows of each step's global batch (``micro_batch x DP`` rows)."""
     from megatron.core import parallel_state as ps
 
-    from regather.testing.models import gpt_batch
+    from regather.tools.cpu.models import gpt_batch
 
     dp, rank, b = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), run.micro_batch
     for step in range(run.steps):
@@ -186,10 +186,10 @@ def _dp_mean(value: float) -> float:
 
 def grad_gap(grads: dict, ref: dict) -> tuple[float, float]:
     """Largest |grad - ref| over every LoRA gradient of this rank, and the largest |ref|
-    (:func:`regather.testing.train.grad_gap` at this rank's TP coordinates)."""
+    (:func:`regather.tools.cpu.train.grad_gap` at this rank's TP coordinates)."""
     from megatron.core import parallel_state as ps
 
-    from regather.testing import train
+    from regather.tools.cpu import train
 
     return train.grad_gap(grads, ref, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
 
@@ -203,9 +203,9 @@ def compare_moe(rank: int, world_size: int, run: MoERun, variants: Sequence[str]
 
     from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes
     from regather.megatron.dense.model import adapters
-    from regather.testing.models import gpt_loss
-    from regather.testing.moe_models import init_moe_parallel
-    from regather.testing.train import AdapterSavedBytes
+    from regather.tools.cpu.models import gpt_loss
+    from regather.tools.cpu.moe_models import init_moe_parallel
+    from regather.tools.cpu.train import AdapterSavedBytes
 
     init_moe_parallel(run.tp, run.ep, run.etp, run.seed)
     models, opts, named, out = {}, {}, {}, {}

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from regather.megatron.reasons import ALL_TARGETS
-from regather.testing.models import TinyGPT
-from regather.testing.moe_models import TinyMoE
+from regather.tools.cpu.models import TinyGPT
+from regather.tools.cpu.moe_models import TinyMoE
 
 # name -> (LoRA strategy, LoRA field overrides); None: megatron's own trainable linears.
 STRATEGIES: dict[str, tuple[str, dict] | None] = {

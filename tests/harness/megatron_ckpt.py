@@ -25,7 +25,7 @@ it, idempotently, and does nothing when CUDA is available):
    these modules get a ``torch`` whose ``cuda.synchronize`` does nothing (the
    real ``torch.cuda.synchronize`` is left alone for everyone else).
 3. **``torch.cuda.current_device()`` returns the CPU device** (patch, from
-   :func:`regather.testing.enable_megatron_cpu`): ``state_dict_saver`` and
+   :func:`regather.tools.cpu.megatron_cpu.enable_megatron_cpu`): ``state_dict_saver`` and
    ``async_utils`` build their small agreement tensors with
    ``device=torch.cuda.current_device()``.
 4. **The write-results Manager dies with its rank** (patch). Every ``torch_dist``
@@ -33,7 +33,7 @@ it, idempotently, and does nothing when CUDA is available):
    its results queue (``_get_write_results_queue`` in 0.16.1,
    ``get_write_results_queue`` in 0.19.2). It is shut down only by
    multiprocessing's ``atexit`` hook. A rank that ends with ``os._exit`` — as
-   :func:`regather.testing.dist.run_ranks` ranks, torch elastic workers and
+   :func:`regather.tools.cpu.dist.run_ranks` ranks, torch elastic workers and
    crashing ranks do — leaves that server process running forever, holding the
    rank's inherited stdout/stderr: the checkpoint is written and the ranks have
    exited, but ``python test.py | tail`` or ``subprocess.run(capture_output=True)``
@@ -57,7 +57,7 @@ import types
 
 import torch
 
-from regather.testing.dist import die_with_parent
+from regather.tools.cpu.dist import die_with_parent
 
 _ENABLED = False
 
@@ -89,7 +89,7 @@ def enable_dist_checkpointing_cpu() -> bool:
             "megatron's torch_dist checkpoint writers need psutil (without it a forked writer dies "
             "before signalling completion and dist_checkpointing.save hangs): pip install psutil"
         ) from exc
-    from regather.testing.megatron_cpu import enable_megatron_cpu
+    from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
     enable_megatron_cpu()
     _patch_synchronize()

@@ -1,4 +1,4 @@
-"""A large test matrix run a group at a time: one :func:`~regather.testing.dist.run_ranks` spawn
+"""A large test matrix run a group at a time: one :func:`~regather.tools.cpu.dist.run_ranks` spawn
 per group of items, started by the first test that asks for one of its items.
 
 Why: a test that asks a module-scoped fixture for one big spawn pays for the whole spawn inside
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
-from regather.testing.dist import run_ranks
+from regather.tools.cpu.dist import run_ranks
 
 
 class SpawnFailed(RuntimeError):

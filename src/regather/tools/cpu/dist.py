@@ -21,7 +21,7 @@ The parent polls the ranks and stops them all when
    before pytest-timeout fails the test.
 
 "Progress" — a thread of a rank that computes or wants to — is sampled from ``/proc`` by
-:mod:`regather.testing.rank_progress`, which also collects the ranks' stacks.
+:mod:`regather.tools.cpu.rank_progress`, which also collects the ranks' stacks.
 
 On a stall or at the ceiling the parent signals each unfinished rank with
 SIGUSR1, where ``faulthandler`` writes the Python stack of every thread to a
@@ -54,7 +54,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from regather.testing import rank_progress
+from regather.tools.cpu import rank_progress
 
 #: What the forkserver imports once for every rank it forks (a module missing here is skipped).
 PRELOAD = (
@@ -63,7 +63,7 @@ PRELOAD = (
     "megatron.core.models.gpt", "megatron.core.transformer.transformer_config",
     "megatron.core.transformer.moe.moe_layer", "megatron.core.distributed", "megatron.core.optimizer",
     "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing",
-    "regather.megatron.lora", "regather.testing.models",
+    "regather.megatron.lora", "regather.tools.cpu.models",
 )
 START_METHODS = ("forkserver", "spawn")
 #: Seconds without progress after which a run counts as hung (env REGATHER_STALL_TIMEOUT).
@@ -289,7 +289,7 @@ def run_ranks(
         except _RendezvousFailed as exc:
             if attempt == RENDEZVOUS_ATTEMPTS:
                 raise RankFailed(str(exc)) from None
-            print(f"regather.testing.dist: init_process_group failed in every rank that reported "
+            print(f"regather.tools.cpu.dist: init_process_group failed in every rank that reported "
                   f"({str(exc).splitlines()[0][:200]}); starting the ranks again with a new rendezvous",
                   file=sys.stderr, flush=True)
     raise AssertionError("unreachable")
@@ -381,7 +381,7 @@ def _run_once(fn, world_size, args, kwargs, timeout, pg_timeout, stall_timeout) 
             if unfinished:
                 try:
                     stacks = rank_progress.collect_stacks(procs, unfinished, tmp, wait_s=2.0)
-                    print(f"regather.testing.dist: interrupted after {time.monotonic() - start:.0f} s; "
+                    print(f"regather.tools.cpu.dist: interrupted after {time.monotonic() - start:.0f} s; "
                           f"ranks {unfinished} unfinished" + rank_progress.format_stacks(procs, stacks),
                           file=sys.stderr, flush=True)
                 except BaseException:

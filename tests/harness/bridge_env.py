@@ -45,7 +45,7 @@ touches what the PEFT code computes; each one only gets an import through:
 
 The re-gather path itself (``LoRA(sequence_parallel_input_regather=True)``,
 megatron's sequence-parallel linear for LoRA-A) needs nothing beyond
-:func:`regather.testing.enable_megatron_cpu` (docs/design.md §6, §8).
+:func:`regather.tools.cpu.megatron_cpu.enable_megatron_cpu` (docs/design.md §6, §8).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _bare_bridge_package() -> None:
     spec = importlib.util.find_spec("megatron.bridge")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(INSTALL_HINT)
-    pkg = types.ModuleType("megatron.bridge", "Megatron Bridge (bare: regather.testing.bridge_env, shim 1)")
+    pkg = types.ModuleType("megatron.bridge", "Megatron Bridge (bare: tests.harness.bridge_env, shim 1)")
     pkg.__path__ = list(spec.submodule_search_locations)
     pkg.__file__ = spec.origin
     pkg.__spec__ = spec
@@ -197,7 +197,7 @@ def _import_lora_layers_with_te_stand_in() -> None:
         importlib.import_module(name)
         return
 
-    with te_stand_in("regather.testing.bridge_env"):
+    with te_stand_in("tests.harness.bridge_env"):
         importlib.import_module(name)
     _SHIMS.append("transformer_engine stand-in while importing peft.lora_layers")
 
@@ -231,9 +231,9 @@ def import_bridge_checkpointing() -> types.ModuleType:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.module import MegatronModule
 
-    training = types.ModuleType("megatron.bridge.training", "bare package (regather.testing.bridge_env, shim 6)")
+    training = types.ModuleType("megatron.bridge.training", "bare package (tests.harness.bridge_env, shim 6)")
     training.__path__ = list(spec.submodule_search_locations)
-    module = types.ModuleType(name, "Bridge's adapter-filter functions only (regather.testing.bridge_env, shim 6)")
+    module = types.ModuleType(name, "Bridge's adapter-filter functions only (tests.harness.bridge_env, shim 6)")
     module.__file__ = source_path
     # the names their annotations use, evaluated when the functions are defined
     module.__dict__.update(Any=Any, Optional=Optional, PEFT=PEFT, MegatronModule=MegatronModule,

@@ -1,7 +1,7 @@
 """A megatron-core GPT with Llama's conventions, and the same weights in a real ``transformers``
 ``LlamaForCausalLM`` (test helper; needs ``transformers``, loads nothing from a hub).
 
-:func:`build_llama_gpt` builds :func:`regather.testing.models.build_gpt` with RMSNorm, a gated
+:func:`build_llama_gpt` builds :func:`regather.tools.cpu.models.build_gpt` with RMSNorm, a gated
 SwiGLU ``linear_fc1``, no biases, rope and untied embeddings (GQA through
 ``TinyGPT.kv_heads``). :func:`to_hf_llama` gathers its TP-sharded base weights (also
 from a LoRA-wrapped model: its state dict keeps the base keys) and loads them into an HF Llama
@@ -36,7 +36,7 @@ _SPLIT_DIM = {"linear_qkv": 0, "linear_proj": 1, "linear_fc1": 0, "linear_fc2": 
 
 def build_llama_gpt(shape, tp: int, dtype: torch.dtype = torch.float32, seed: int = 1234, **overrides):
     """A megatron-core GPT (local spec, SP on for TP>1) with Llama's block (:data:`LLAMA_LIKE`)."""
-    from regather.testing.models import build_gpt
+    from regather.tools.cpu.models import build_gpt
 
     return build_gpt(shape, tp, True, dtype, seed=seed, **dict(LLAMA_LIKE, **overrides))
 

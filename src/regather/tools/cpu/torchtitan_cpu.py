@@ -46,7 +46,7 @@ def _stub_ep_kernels() -> None:
 
     def missing(*args, **kwargs):
         raise NotImplementedError("torchtitan's minimal_async_ep Triton kernels are not available on CPU "
-                                  "(regather.testing.torchtitan_cpu stub)")
+                                  "(regather.tools.cpu.torchtitan_cpu stub)")
 
     for kernel in _KERNELS:
         setattr(module, kernel, missing)

@@ -1,7 +1,7 @@
 """The run-time patches megatron-core's training machinery needs on a machine without CUDA (docs/design.md §8).
 
 :func:`enable_megatron_training_cpu` applies them on top of
-:func:`regather.testing.enable_megatron_cpu` (§6). Each patch is idempotent,
+:func:`regather.tools.cpu.megatron_cpu.enable_megatron_cpu` (§6). Each patch is idempotent,
 scoped to the megatron modules that need it (:data:`TRAINING_MODULES`), and skipped when CUDA is there:
 
 1. **``device="cuda"`` tensor factories** (``torch.zeros(..., device="cuda")``
@@ -160,7 +160,7 @@ def _wgrad_gemm_accum_fp16(input: torch.Tensor, grad_output: torch.Tensor, main_
 
 
 FUSED_WGRAD_STANDIN = types.ModuleType("fused_weight_gradient_mlp_cuda")
-FUSED_WGRAD_STANDIN.__doc__ = "regather.testing stand-in for apex's fused wgrad CUDA extension (torch, CPU)."
+FUSED_WGRAD_STANDIN.__doc__ = "tests.harness stand-in for apex's fused wgrad CUDA extension (torch, CPU)."
 FUSED_WGRAD_STANDIN.wgrad_gemm_accum_fp32 = _wgrad_gemm_accum_fp32
 FUSED_WGRAD_STANDIN.wgrad_gemm_accum_fp16 = _wgrad_gemm_accum_fp16
 FUSED_WGRAD_STANDIN.regather_standin = True
@@ -181,7 +181,7 @@ def enable_megatron_training_cpu() -> bool:
     """Apply §6's and §8's CPU patches once. Returns True when they are (or were) applied;
     False (and nothing patched) when CUDA is available."""
     global _ENABLED
-    from regather.testing.megatron_cpu import enable_megatron_cpu
+    from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
     if not enable_megatron_cpu():
         return False

@@ -15,11 +15,11 @@ import traceback
 
 import torch
 
-from regather.testing.megatron_train.cpu import enable_megatron_training_cpu
-from regather.testing.megatron_train.loop import run_steps
-from regather.testing.megatron_train.spec import STRATEGIES, TrainSpec
-from regather.testing.models import init_model_parallel
-from regather.testing.moe_models import TinyMoE
+from regather.tools.cpu.models import init_model_parallel
+from regather.tools.cpu.moe_models import TinyMoE
+from tests.harness.megatron_train.cpu import enable_megatron_training_cpu
+from tests.harness.megatron_train.loop import run_steps
+from tests.harness.megatron_train.spec import STRATEGIES, TrainSpec
 
 _GROUPS: list = []  # the process groups the last setup_parallel created (this rank)
 
@@ -74,8 +74,8 @@ def setup_parallel(spec: TrainSpec) -> None:
 
 
 def lora_config(spec: TrainSpec):
-    """The ``regather.LoRA`` for ``spec.strategy`` (built as ``regather.testing.train.lora_for``)."""
-    from regather.testing.train import RunConfig, lora_for
+    """The ``regather.LoRA`` for ``spec.strategy`` (built as ``regather.tools.cpu.train.lora_for``)."""
+    from regather.tools.cpu.train import RunConfig, lora_for
 
     base, overrides = STRATEGIES[spec.strategy]
     cfg = RunConfig(strategy=base, tp=spec.tp, lora_dim=spec.lora_dim, lora_alpha=spec.lora_alpha,
@@ -87,7 +87,7 @@ def build_model_chunks(spec: TrainSpec) -> list:
     """This rank's model chunks (one per virtual stage), LoRA applied, as ``get_model`` builds them."""
     from megatron.core import parallel_state
 
-    from regather.testing.models import build_gpt
+    from regather.tools.cpu.models import build_gpt
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks_per_stage = spec.vpp or 1
@@ -97,7 +97,7 @@ def build_model_chunks(spec: TrainSpec) -> list:
                          virtual_pipeline_model_parallel_size=spec.vpp)
     chunks = []
     if isinstance(spec.shape, TinyMoE):  # one chunk per stage (TrainSpec checks)
-        from regather.testing.moe_models import build_moe_gpt
+        from regather.tools.cpu.moe_models import build_moe_gpt
 
         model = build_moe_gpt(spec.shape, spec.tp, spec.ep, spec.etp, torch.float32, seed=spec.seed,
                               init_parallel=False, gradient_accumulation_fusion=spec.gradient_accumulation_fusion,

@@ -3,7 +3,7 @@
 :class:`ModelShape` is what the model is (sizes, experts), :class:`RunShape` how it runs
 (parallel layout, batch, precision, LoRA). ``regather estimate`` (``Model``, ``Run``), ``regather
 doctor`` (``Setup``), ``regather bench`` (``BenchSpec``, ``MoEBenchSpec``), ``regather demo`` and the
-harness's tiny models (``regather.testing.models.TinyGPT``, ``regather.testing.moe_models.TinyMoE``)
+harness's tiny models (``regather.tools.cpu.models.TinyGPT``, ``regather.tools.cpu.moe_models.TinyMoE``)
 are these classes, subclassed: each adds only what is its own, and a subclass that wants other
 defaults (bench's float32 against estimate's bfloat16) restates the default, not the field.
 

@@ -9,7 +9,7 @@ own spec builders:
 ============== ===================================================== ============================
 ``sequential`` ``SequentialMLP`` (``get_gpt_layer_local_spec``)      megatron ``Column/Row``
                                                                      ``ParallelLinear`` per expert
-``grouped``    ``TEGroupedMLP`` (the TE spec's expert structure,     :mod:`regather.testing.\
+``grouped``    ``TEGroupedMLP`` (the TE spec's expert structure,     :mod:`regather.tools.cpu.\
                ``get_moe_module_spec_for_backend``)                  fake_te_grouped` stand-ins
 ============== ===================================================== ============================
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from regather.megatron.reasons import REPLAYED_DISPATCHERS
-from regather.testing.models import MEGATRON_NAMES, TinyGPT, accepts_megatron_names, keep_fp64_cross_entropy
+from regather.tools.cpu.models import MEGATRON_NAMES, TinyGPT, accepts_megatron_names, keep_fp64_cross_entropy
 
 # megatron's dispatchers the CPU harness builds (the flex one needs DeepEP, a GPU): those whose
 # route regather replays
@@ -61,7 +61,7 @@ def init_moe_parallel(tp: int, ep: int, etp: int | None = None, seed: int = 1234
     """megatron's parallel state with expert parallelism, on the existing default group."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from regather.testing.moe_cpu import enable_moe_cpu
+    from regather.tools.cpu.moe_cpu import enable_moe_cpu
 
     enable_moe_cpu()
     parallel_state.destroy_model_parallel()
@@ -105,7 +105,7 @@ def moe_layer_spec(shape: TinyMoE, config):
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     if shape.experts == "grouped":
-        from regather.testing.fake_te_grouped import grouped_moe_spec
+        from regather.tools.cpu.fake_te_grouped import grouped_moe_spec
 
         block.layer_specs = [grouped_moe_spec(s, shape.num_experts) for s in block.layer_specs]
     return block

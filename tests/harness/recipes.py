@@ -44,8 +44,8 @@ there, each shim with its reason (measured with torch 2.13.0+cu130 on CPU, 2026-
    Transformer Engine itself (``transformer_impl="local"`` and Bridge's own
    ``local_layer_spec``) and grouped-GEMM experts (``moe_grouped_gemm=False``: megatron's
    ``SequentialMLP``).
-   Plus megatron-core's CPU shims (:func:`regather.testing.megatron_cpu.enable_megatron_cpu`,
-   :func:`regather.testing.moe_cpu.enable_moe_cpu`; docs/design.md §6, §9).
+   Plus megatron-core's CPU shims (:func:`regather.tools.cpu.megatron_cpu.enable_megatron_cpu`,
+   :func:`regather.tools.cpu.moe_cpu.enable_moe_cpu`; docs/design.md §6, §9).
 
 ``finetune()`` itself cannot run on CPU (``initialize_megatron`` asserts CUDA, the dataset
 helpers are compiled with ``make``, ``training/setup.py`` makes CUDA tensors): the tests take
@@ -67,7 +67,7 @@ import types
 
 import torch
 
-from regather.testing.bridge_env import te_stand_in
+from tests.harness.bridge_env import te_stand_in
 
 BRIDGE_VERSION = "0.6.2"
 MCORE_VERSION = "0.19.2"
@@ -174,7 +174,7 @@ class _LoraLayersLoader(importlib.abc.Loader):
     def exec_module(self, module):
         for name in _LORA_LAYERS_DEPS:
             importlib.import_module(name)
-        with te_stand_in("regather.testing.recipes"):
+        with te_stand_in("tests.harness.recipes"):
             self.real.exec_module(module)
         _SHIMS.append("transformer_engine stand-in while peft/lora_layers.py executed")
 
@@ -200,7 +200,7 @@ def import_bridge() -> types.ModuleType:
     except importlib.metadata.PackageNotFoundError:
         pass
     else:
-        raise ImportError("regather.testing.recipes is for machines without Transformer Engine")
+        raise ImportError("tests.harness.recipes is for machines without Transformer Engine")
     import megatron.core  # noqa: F401 - its TE detection runs first, with no stand-in around
 
     finder = _LoraLayersFinder()
@@ -231,8 +231,8 @@ _CPU_ENABLED = False
 def enable_recipe_cpu() -> None:
     """megatron-core's CPU shims (dense and MoE) plus shims 4 and 5 (idempotent)."""
     global _CPU_ENABLED
-    from regather.testing.megatron_cpu import enable_megatron_cpu
-    from regather.testing.moe_cpu import enable_moe_cpu
+    from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
+    from regather.tools.cpu.moe_cpu import enable_moe_cpu
 
     enable_megatron_cpu()
     enable_moe_cpu()

@@ -12,7 +12,7 @@ name), then trains them on the same batches, step ``i`` running each variant onc
 rotated by ``i``, each after a barrier; a step is torchtitan's ``train_step`` on one micro-batch:
 forward, loss, backward, ``clip_grad_norm_`` and its AdamW ``OptimizersContainer``. Step 0 is
 counted: the storages autograd saves in the forward (by label: regather's adapters and, through
-:func:`~regather.testing.torchtitan_models.label_adapter_inputs`, torchtitan's label what LoRA-A
+:func:`~regather.tools.cpu.torchtitan_models.label_adapter_inputs`, torchtitan's label what LoRA-A
 saves ``adapter_input:<kind>``), and the collective bytes of forward, backward and the optimizer
 step (``CollectiveBytes(functional=True)``: DTensor's functional collectives too). The frozen model
 (no adapter) is counted once, not trained.
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from regather.core.accounting import CollectiveBytes
-from regather.testing import torchtitan_models as M
+from regather.tools.cpu import torchtitan_models as M
 from regather.torchtitan.options import BASELINE, VARIANTS, base_variant, variant_fields
 
 __all__ = ["BASELINE", "VARIANTS", "TitanRun", "base_variant", "clip_and_step", "compare_titan", "optimizers",

@@ -1,6 +1,6 @@
 """Train a LoRA GPT through megatron-core's own training machinery, on CPU ranks.
 
-``regather.testing.train`` drives the model with a hand-written loop. A user's
+``regather.tools.cpu.train`` drives the model with a hand-written loop. A user's
 Megatron-LM / Megatron Bridge run does not: it wraps every model chunk in
 megatron's ``DistributedDataParallel``, builds the optimizer with
 ``get_megatron_optimizer``, runs micro-batches through
@@ -16,7 +16,7 @@ actually read.
 One module per thing it builds:
 
 - :mod:`.cpu`   — :func:`enable_megatron_training_cpu`: the run-time patches this needs on a machine
-  without CUDA (docs/design.md §8), on top of :func:`regather.testing.enable_megatron_cpu` (§6)
+  without CUDA (docs/design.md §8), on top of :func:`regather.tools.cpu.megatron_cpu.enable_megatron_cpu` (§6)
 - :mod:`.spec`  — :class:`TrainSpec` (strategy, topology, megatron options, sizes), :data:`STRATEGIES`
 - :mod:`.build` — parallel state, model chunks with LoRA, DDP, optimizer, Megatron-LM's hooks;
   :func:`train`, :func:`train_agreed`
@@ -28,7 +28,7 @@ gloo's batched ``isend/irecv`` mixed up tensors with a virtual pipeline, so
 on pipeline stages > 0 and for model chunks > 0 (as Megatron-LM asks).
 """
 
-from regather.testing.megatron_train.build import (
+from tests.harness.megatron_train.build import (
     build_model_chunks,
     build_optimizer,
     install_training_hooks,
@@ -41,9 +41,9 @@ from regather.testing.megatron_train.build import (
     warm_up,
     wrap_ddp,
 )
-from regather.testing.megatron_train.cpu import FUSED_WGRAD_STANDIN, TRAINING_MODULES, enable_megatron_training_cpu
-from regather.testing.megatron_train.loop import reduced_main_grads, run_steps, step_batches
-from regather.testing.megatron_train.spec import STRATEGIES, DDPOptions, TrainSpec
+from tests.harness.megatron_train.cpu import FUSED_WGRAD_STANDIN, TRAINING_MODULES, enable_megatron_training_cpu
+from tests.harness.megatron_train.loop import reduced_main_grads, run_steps, step_batches
+from tests.harness.megatron_train.spec import STRATEGIES, DDPOptions, TrainSpec
 
 __all__ = [
     "FUSED_WGRAD_STANDIN", "STRATEGIES", "TRAINING_MODULES", "DDPOptions", "TrainSpec", "build_model_chunks",

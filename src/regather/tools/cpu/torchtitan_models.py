@@ -5,7 +5,7 @@ A model is built as the trainer does (its sharding config, the ``partial_dtensor
 build on meta, parallelize, materialize, init), then every parameter gets the same values from its
 name; :func:`step` runs one forward (bytes and collectives counted) and backward.
 
-Choices (not shims, :mod:`regather.testing.torchtitan_cpu` has those): a llama3 model of the
+Choices (not shims, :mod:`regather.tools.cpu.torchtitan_cpu` has those): a llama3 model of the
 :class:`TinyLlama3` shape — by default torchtitan's ``debugmodel`` (dim 256, 16 heads, ffn 768,
 vocab 2048) cut to 2 layers, batch 2, sequence 128, fp32 — built from torchtitan's own layer
 builder, so another shape is the same model at other sizes; qwen3's ``debugmodel`` cut to the
@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from regather.core import accounting
 from regather.core.accounting import CollectiveBytes, SavedBytes
 from regather.core.allocated import AllocatedBytes
-from regather.core.shapes import ModelShape
-from regather.testing.torchtitan_cpu import enable_torchtitan_cpu
+from regather.tools.cpu.torchtitan_cpu import enable_torchtitan_cpu
+from regather.tools.shapes import ModelShape
 from regather.torchtitan import reasons
 
 #: what a torchtitan run imports: torchtitan and the two packages it imports that its pins bring

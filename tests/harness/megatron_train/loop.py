@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from regather.testing.megatron_train.spec import TrainSpec
-from regather.testing.models import gpt_batch
+from regather.tools.cpu.models import gpt_batch
+from tests.harness.megatron_train.spec import TrainSpec
 
 
 def step_batches(spec: TrainSpec, step: int, dp_rank: int) -> list:
@@ -130,7 +130,7 @@ def _coords() -> dict:
 
 def run_steps(spec: TrainSpec, model: list, optimizer, config) -> dict:
     """``spec.steps`` steps on the built, wrapped ``model`` (see
-    :func:`regather.testing.megatron_train.build.train` for what it returns)."""
+    :func:`tests.harness.megatron_train.build.train` for what it returns)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from regather.megatron.dense.model import adapters

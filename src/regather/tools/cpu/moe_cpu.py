@@ -1,6 +1,6 @@
 """Run megatron-core's MoE layers and token dispatchers on CPU ranks (gloo); tests only.
 
-Beside :func:`regather.testing.enable_megatron_cpu` (docs/design.md §6), megatron's MoE code
+Beside :func:`regather.tools.cpu.megatron_cpu.enable_megatron_cpu` (docs/design.md §6), megatron's MoE code
 needs three more run-time shims on a machine without CUDA (docs/design.md §9, measured on both
 pinned versions). Neither changes what a layer computes:
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 _ENABLED = False
-_STREAM_PLACEHOLDER = "regather.testing.moe_cpu: no CUDA stream on CPU"
+_STREAM_PLACEHOLDER = "regather.tools.cpu.moe_cpu: no CUDA stream on CPU"
 _NUMPY_SPLITS = ("input_splits", "output_splits", "output_splits_tp")
 
 
@@ -47,7 +47,7 @@ def enable_moe_cpu() -> bool:
         return False
     if _ENABLED:
         return True
-    from regather.testing.megatron_cpu import enable_megatron_cpu
+    from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
     enable_megatron_cpu()
     _patch_alltoall_dispatcher()
