@@ -1,9 +1,9 @@
-"""The model and run shapes every tool and the test harness describe a run with.
+"""The model and run shapes every tool (and the tests, through the tiny models) describe a run with.
 
 :class:`ModelShape` is what the model is (sizes, experts), :class:`RunShape` how it runs
 (parallel layout, batch, precision, LoRA). ``regather estimate`` (``Model``, ``Run``), ``regather
 doctor`` (``Setup``), ``regather bench`` (``BenchSpec``, ``MoEBenchSpec``), ``regather demo`` and the
-harness's tiny models (``regather.tools.cpu.models.TinyGPT``, ``regather.tools.cpu.moe_models.TinyMoE``)
+tiny models they run (``regather.tools.cpu.models.TinyGPT``, ``regather.tools.cpu.moe_models.TinyMoE``)
 are these classes, subclassed: each adds only what is its own, and a subclass that wants other
 defaults (bench's float32 against estimate's bfloat16) restates the default, not the field.
 

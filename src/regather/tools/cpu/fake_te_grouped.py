@@ -1,4 +1,5 @@
-"""CPU stand-ins for megatron's Transformer Engine grouped expert linears (tests only).
+"""CPU stand-ins for megatron's Transformer Engine grouped expert linears (``regather bench --moe
+--experts grouped`` and the tests).
 
 megatron builds grouped experts (``moe_grouped_gemm=True``, the TE spec) as ``TEGroupedMLP``
 whose ``linear_fc1`` / ``linear_fc2`` are ``TEColumnParallelGroupedLinear`` /

@@ -10,7 +10,7 @@ import torch
 
 from regather.tools.shapes import ModelShape
 
-#: megatron's names (``TransformerConfig`` / ``GPTModel``) of the shape fields: the harness's shapes
+#: megatron's names (``TransformerConfig`` / ``GPTModel``) of the shape fields: the tiny models' shapes
 #: take them as constructor keywords and answer to them as attributes.
 MEGATRON_NAMES = {"num_layers": "layers", "hidden_size": "hidden", "num_attention_heads": "heads",
                   "num_query_groups": "kv_heads", "ffn_hidden_size": "ffn", "vocab_size": "vocab",

@@ -1,4 +1,5 @@
-"""Run megatron-core's MoE layers and token dispatchers on CPU ranks (gloo); tests only.
+"""Run megatron-core's MoE layers and token dispatchers on CPU ranks (gloo): for ``regather bench
+--moe`` and the tests.
 
 Beside :func:`regather.tools.cpu.megatron_cpu.enable_megatron_cpu` (docs/design.md §6), megatron's MoE code
 needs three more run-time shims on a machine without CUDA (docs/design.md §9, measured on both

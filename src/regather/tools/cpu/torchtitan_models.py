@@ -1,5 +1,5 @@
-"""torchtitan 0.3.0 models on CPU ranks, built as its trainer builds them: the harness the torchtitan
-tests, their workers and ``regather bench --torchtitan`` share.
+"""torchtitan 0.3.0 models on CPU ranks, built as its trainer builds them: what
+``regather bench --torchtitan``, the torchtitan tests and their workers share.
 
 A model is built as the trainer does (its sharding config, the ``partial_dtensor`` SPMD backend,
 build on meta, parallelize, materialize, init), then every parameter gets the same values from its
