@@ -68,3 +68,29 @@ def test_cli_verbs():
     out = subprocess.run([sys.executable, "-m", "regather", "--help"], capture_output=True, text=True, timeout=120,
                          check=True).stdout
     assert "{demo,bench,estimate,doctor}" in out
+
+
+def test_front_ends_register_on_import():
+    """regather.adapters / decisions / set_strategy ask the front ends imported in the process,
+    each registered by its package (regather.core.frontends), in import order."""
+    code = ("import torch, regather\n"
+            "from regather.core import frontends\n"
+            "print(list(frontends.registered()))\n"
+            "import regather.torchtitan\n"
+            "print(list(frontends.registered()))\n"
+            "import regather.megatron\n"
+            "print(list(frontends.registered()))\n"
+            "print(regather.adapters(torch.nn.Linear(2, 2)), regather.decisions(torch.nn.Linear(2, 2)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True).stdout.splitlines()
+    assert out == ["[]", "['torchtitan']", "['torchtitan', 'megatron']", "{} {}"]
+
+
+def test_front_end_registration_refuses_bad_input():
+    from regather.core import frontends
+
+    with pytest.raises(ValueError, match=r"register\(name=''\)"):
+        frontends.register("", lambda: None)
+    with pytest.raises(TypeError, match=r"register\('x', load=3\)"):
+        frontends.register("x", 3)
+    assert "x" not in frontends.registered() and "" not in frontends.registered()
