@@ -5,6 +5,8 @@ Where bytes are saved, sent and recomputed:
 - :mod:`~regather.core.strategies.gather`       — keep the gathered input (classic path)
 - :mod:`~regather.core.strategies.pregathered`  — LoRA-A on an input the base layer already gathered
 - :mod:`~regather.core.strategies.regather`     — keep the local shard, gather again in backward
+- :mod:`~regather.core.strategies.traced`       — regather inside ``torch.compile``: one autograd Function,
+  the backward gather through functional collectives
 - :mod:`~regather.core.strategies.lowrank`      — replicated LoRA-A on the local shard, gather rank-r output
 - :mod:`~regather.core.strategies.local`        — inputs that need no sequence gather (row-parallel, SP off)
 - :mod:`~regather.core.strategies.shared_gather` — one gather of a shard for the LoRA-A's that read it
