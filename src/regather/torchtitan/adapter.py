@@ -107,6 +107,7 @@ class LoRAAdapter:
         self._logged: set = set()
         self._slot = None
         self.traced = False  # set by a traced forward (regather.torchtitan.traced)
+        self.traced_input_reason = None  # why a traced forward found its input unfit for regather
 
     # -- decisions -------------------------------------------------------------------------
     def wants_anchor(self) -> bool:

@@ -48,7 +48,8 @@ NORM_KEEPS_NOTHING = f"the norm: {NOTHING_KEPT}"
 
 # torch.compile: the traced forward (regather.torchtitan.traced)
 LOWRANK_TRACED = "lowrank has no traced path yet (torch.compile): the gather path runs"
-REGATHER_TRACED = ("under torch.compile AOT autograd keeps the gathered input whatever regather saves (measured: "
-                   "more bytes than the gather path): the gather path runs")
+NOT_GATHERED_TRACED = "under torch.compile its input is not a replicated DTensor (no gathered input to cut)"
+INDIVISIBLE_TRACED = ("under torch.compile the input's sequence length {length} is not divisible by the "
+                      "group size {world}: the gather path runs")
 RECOMPUTE_TRACED = expected("under torch.compile the partitioner decides what the forward saves: no input is "
                             "rebuilt from its producer")
