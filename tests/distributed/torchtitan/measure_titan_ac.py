@@ -1,7 +1,7 @@
 """Print the tables of docs/torchtitan.md's "Activation checkpointing and torch.compile" section from
 the spawn test_titan_ac_compile.py reads (allocator bytes over the frozen model, per rank):
 
-    PYTHONPATH=src:tests/distributed/torchtitan .venv/bin/python tests/distributed/torchtitan/measure_titan_ac.py
+    PYTHONPATH=src:.:tests/distributed/torchtitan .venv/bin/python tests/distributed/torchtitan/measure_titan_ac.py
 """
 
 import torch
