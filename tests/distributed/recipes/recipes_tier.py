@@ -26,17 +26,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_HUB: list = []  # the hub this process prepared: both recipe folders' conftest.py use this fixture, and
+                 # huggingface_hub reads HF_HUB_CACHE once, at its import, so the hub is laid once
+
+
 @pytest.fixture(scope="session", autouse=True)
 def offline_hub():
     if not recipes_available():
         yield None
         return
+    if _HUB:
+        yield _HUB[0]
+        return
     cache = tempfile.mkdtemp(prefix="regather-hf-cache-")
     saved = {k: os.environ.get(k) for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
                                             "HF_HUB_DISABLE_TELEMETRY")}
     try:
-        yield prepare_offline_hub(cache, DATA)
+        _HUB.append(prepare_offline_hub(cache, DATA))
+        yield _HUB[0]
     finally:
+        _HUB.clear()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
