@@ -8,12 +8,15 @@ the profiler's memory events of the region (``profile_memory=True``, the device 
 and keeps, by address, every block allocated inside it and not freed before it ends: frees of
 blocks allocated before the region (a previous step's garbage) are not subtracted.
 
-A block freed by another thread after the region ends (a gloo work object released late) still
-counts; take the smallest of a few repeats where that matters.
+A block freed by another thread after the region ends (a gloo work object released late) would
+still count: with ``settle_collectives=True`` (every rank of the default group entering the region
+alike) the region ends at a barrier, which waits for the collectives in flight, so their blocks are
+freed inside it.
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -30,8 +33,9 @@ class AllocatedBytes:
     """``with AllocatedBytes() as a: ...`` then ``a.alive``: bytes allocated on ``device`` inside
     the block and still alive when it ended."""
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", settle_collectives: bool = False):
         self.device = device
+        self.settle_collectives = settle_collectives
         self.alive = 0
         self._prof = None
 
@@ -42,6 +46,8 @@ class AllocatedBytes:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.settle_collectives and exc[0] is None and dist.is_initialized():
+            dist.barrier()
         self._prof.__exit__(*exc)
         tree = self._prof.profiler.kineto_results.experimental_event_tree()
         live: dict = {}

@@ -28,11 +28,8 @@ def _step(model, dtype=torch.float32):
     hook = model.tok_embeddings.register_forward_hook(lambda m, a, out: out.detach().to(dtype).requires_grad_(True))
     inp, labels = H.tokens()
     try:
-        with AllocatedBytes() as alloc:
+        with AllocatedBytes(settle_collectives=True) as alloc:
             pred = model(inp, H.positions())
-            # gloo's barrier waits for every collective in flight, so the blocks their work objects
-            # hold are released inside the region rather than after it (seen: a [b, s, dim] block)
-            torch.distributed.barrier()
     finally:
         hook.remove()
     loss = H.loss_of(pred, labels)

@@ -219,13 +219,10 @@ def step(model, count: bool = True, dtype=None, shape: TinyLlama3 = DEFAULT, see
     hook = model.tok_embeddings.register_forward_hook(lambda m, a, out: out.detach().to(cast).requires_grad_(True))
     inp, labels = tokens(shape, seed)
     try:
-        with AllocatedBytes() as alloc:
+        # the allocator's region outermost: its closing barrier is not counted by fwd
+        with AllocatedBytes(settle_collectives=True) as alloc:
             with CollectiveBytes(functional=True) as fwd, SavedBytes.for_model(model) as saved:
                 pred = model(inp, positions(shape))
-            if torch.distributed.is_initialized():
-                # gloo's barrier waits for the collectives in flight, so the blocks their work objects
-                # hold are freed inside the allocator's region, not after it (uncounted by fwd)
-                torch.distributed.barrier()
     finally:
         hook.remove()
     loss = loss_of(pred, labels)
