@@ -108,11 +108,14 @@ class LoRAAdapter:
         self._slot = None
         self.traced = False  # set by a traced forward (regather.torchtitan.traced)
         self.traced_input_reason = None  # why a traced forward found its input unfit for regather
+        self.ticket = None  # its input's rebuild under torch.compile (set when attached, with recompute)
 
     # -- decisions -------------------------------------------------------------------------
     def wants_anchor(self) -> bool:
-        """This forward will regather early if it can (asked by the gather site)."""
+        """This forward will regather early if it can (asked by the gather site; never traced:
+        the anchor and the shared gather are eager bookkeeping, :mod:`.traced`)."""
         return (self.options.strategy == Strategy.REGATHER and self.options.early_regather
+                and not torch.compiler.is_compiling()
                 and saves_for_backward(self) and base_layout(self.weight, self.lora_a.weight)[0] == COLUMN)
 
     def decide(self) -> Decision:

@@ -49,7 +49,7 @@ def sequence_gather_dim(before, after) -> int | None:
     1-D mesh (``d`` not the hidden dim), else None."""
     if not (isinstance(before, DTensor) and isinstance(after, DTensor)) or before is after:
         return None
-    if before.device_mesh is not after.device_mesh or before.device_mesh.ndim != 1:
+    if before.device_mesh != after.device_mesh or before.device_mesh.ndim != 1:
         return None
     (src,), (dst,) = before.placements, after.placements
     if not (isinstance(src, Shard) and dst == Replicate()):

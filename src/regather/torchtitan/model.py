@@ -17,6 +17,7 @@ from torch import nn
 
 from regather.core import fallback_log
 from regather.core.decision import Decision
+from regather.core.recompute import compiled
 from regather.core.strategies import Strategy
 from regather.torchtitan import compat
 from regather.torchtitan.adapter import LoRAAdapter
@@ -79,5 +80,7 @@ def attach(model: nn.Module, by_hand: bool = False) -> nn.Module:
             adapter.site.members.append(adapter)
         if adapter.options.recompute_adapter_inputs:
             adapter.norms = norms_near(modules, path)
+            adapter.ticket = compiled.ticket(path)  # its input's rebuild under torch.compile
+            compiled.install()
     fallback_log.attach(model, found.values())
     return model

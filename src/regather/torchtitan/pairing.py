@@ -85,6 +85,14 @@ class GatherSite:
                 return rec, None
         return None, reasons.NOT_THIS_GATHER
 
+    def find_traced(self, x: torch.Tensor) -> Gathered | None:
+        """The record whose gathered tensor ``x`` is, in a traced forward (``torch.compile``):
+        by identity, which Dynamo resolves while tracing (no version counter, no storage)."""
+        for rec in self._records:
+            if rec.full is x:
+                return rec
+        return None
+
 
 def watch_redistribution(module) -> GatherSite:
     """The site of a torchtitan ``Module`` whose input redistribution gathers (once per module)."""

@@ -47,9 +47,12 @@ NOT_KEPT = "nothing before it keeps its input (row-parallel input other than the
 NORM_KEEPS_NOTHING = f"the norm: {NOTHING_KEPT}"
 
 # torch.compile: the traced forward (regather.torchtitan.traced)
-LOWRANK_TRACED = "lowrank has no traced path yet (torch.compile): the gather path runs"
-NOT_GATHERED_TRACED = "under torch.compile its input is not a replicated DTensor (no gathered input to cut)"
+NOT_GATHERED_TRACED = "under torch.compile its input is not the sequence gather recorded for it in this forward"
 INDIVISIBLE_TRACED = ("under torch.compile the input's sequence length {length} is not divisible by the "
                       "group size {world}: the gather path runs")
-RECOMPUTE_TRACED = expected("under torch.compile the partitioner decides what the forward saves: no input is "
-                            "rebuilt from its producer")
+#: the producer a compiled input is rebuilt from (``Decision.recompute``)
+REBUILT_TRACED = "what the backward reads anyway, by the compiled partitioner ({nodes} pointwise nodes)"
+KEPT_TRACED = "under torch.compile: {why}"
+NOT_COMPILED_HERE = expected("under torch.compile, no outcome of regather's joint-graph pass in this process "
+                             "(not compiled yet, compiled from a cache, or by a backend other than Inductor: "
+                             "the partitioner decides alone)")

@@ -1,35 +1,36 @@
 """A torchtitan adapter inside ``torch.compile`` (torchtitan's ``apply_compile``: each block,
 ``fullgraph=True``): what it runs and how it says so, with nothing Dynamo cannot trace.
 
-The eager forward pairs its input with the gather recorded for it, checks the moment with
-autograd-engine calls and the checkpoint's saved-tensor hooks, and rebuilds inputs from their
-producers by storage identity — bookkeeping that breaks a traced graph. A traced forward decides
-from what Dynamo guards on instead (the module's ``training``, grad mode, the weights'
-placements, the options), a pure function (:func:`traced_decision`) that ``decisions()`` can
-evaluate again outside the graph:
+The eager forward checks the moment with autograd-engine calls and the checkpoint's saved-tensor
+hooks, and rebuilds inputs from their producers by storage identity — bookkeeping that breaks a
+traced graph. A traced forward decides from what Dynamo guards on instead (the module's
+``training``, grad mode, the weights' placements, the options) and from the gather recorded for
+its input while tracing (:meth:`.pairing.GatherSite.find_traced`, by identity, which Dynamo
+resolves), a pure function (:func:`traced_decision`) that ``decisions()`` evaluates again
+outside the graph:
 
-=========================== ============================================================
-asked                       traced forward
-=========================== ============================================================
-regather, column-parallel   :func:`regather.core.strategies.traced.traced_regather`: the
-                            LoRA-A GEMM on the gathered input, this rank's sequence block
-                            saved, gathered again in backward (functional collectives)
-lowrank, other layouts      torchtitan's own ``lora_a``: the same graph as torchtitan's
-                            compiled LoRA; lowrank says why (below)
-``recompute_adapter_inputs`` the partitioner decides what is saved: no producer rebuilds it
-=========================== ============================================================
+=============================== ===============================================================
+asked                           traced forward (:mod:`regather.core.strategies.traced`)
+=============================== ===============================================================
+regather, column-parallel       the LoRA-A GEMM on the gathered input; the shard the gather was
+                                made from saved, gathered again in backward (functional
+                                collectives)
+lowrank, column-parallel        the rank-r GEMM on the shard, its output all-gathered; ``dmid``
+                                reduce-scattered in backward
+``recompute_adapter_inputs``    each saved input (the shard; ``w2``'s input) is read back under
+                                the adapter's ticket, and regather's joint-graph pass lets the
+                                partitioner rebuild it from what the backward reads anyway
+                                (:mod:`regather.core.recompute.compiled`)
+anything else                   torchtitan's own ``lora_a``: the graph of its compiled LoRA
+=============================== ===============================================================
 
-The traced regather keeps the shard under AOT autograd because its backward gather reads the
-output gradient (:func:`regather.core.strategies.traced.after`); without that edge the
-partitioner ran the backward's gather in the forward and saved the gathered input.
-
-The sequence block is cut from the local gathered input (``[b, s, h]``, dim ``s``): the same on
-every rank of the TP group, so the backward gather rebuilds it whichever dim SP sharded. A
-length not divisible by the group runs the gather path, with the reason.
+The shard is the DTensor the site's redistribution gathered (``Shard(d) -> Replicate``), so the
+backward gather rebuilds the base's input whichever dim SP sharded; a length not divisible by
+the group runs the gather path, with the reason.
 
 No early re-gather and no shared backward gather under compile (an output-gradient hook, a
 shared gather and a deferred ``dA`` are eager bookkeeping): where the backward gather runs
-relative to the neighbouring GEMMs is the compiler's choice.
+relative to the neighbouring GEMMs is Inductor's choice.
 
 Activation checkpointing under compile is not considered here: torchtitan's own compiled blocks
 fail with it on CPU (docs/torchtitan.md), so it was not run.
@@ -37,63 +38,98 @@ fail with it on CPU (docs/torchtitan.md), so it was not run.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from regather.core.decision import Decision
+from regather.core.recompute import compiled
 from regather.core.strategies import Strategy
-from regather.core.strategies.traced import traced_regather
+from regather.core.strategies.traced import traced_linear_a, traced_lowrank, traced_regather
 from regather.torchtitan import reasons
-from regather.torchtitan.layout import COLUMN, base_layout
+from regather.torchtitan.layout import ROW, base_layout
+
+
+def _rebuilds(adapter) -> bool:
+    return adapter.options.recompute_adapter_inputs and getattr(adapter, "ticket", None) is not None
+
+
+def _with_outcome(decision: Decision, adapter) -> Decision:
+    """``decision`` with what the joint-graph pass did with ``adapter``'s input."""
+    found = compiled.outcome(adapter.ticket)
+    if found is None:
+        return replace(decision, recompute_reason=reasons.NOT_COMPILED_HERE)
+    if isinstance(found, str):
+        return replace(decision, recompute_reason=reasons.KEPT_TRACED.format(why=found))
+    return replace(decision, recompute=reasons.REBUILT_TRACED.format(nodes=found), recompute_reason=None)
 
 
 def traced_decision(adapter, training: bool, grad_enabled: bool) -> Decision:
-    """What ``adapter`` runs in a traced forward in that mode (pure: placements and options)."""
+    """What ``adapter`` runs in a traced forward in that mode (pure: placements, options and what
+    its traced forward and the joint-graph pass found)."""
     options = adapter.options
     asked = options.strategy
-    recompute = options.recompute_adapter_inputs
 
-    keeps = reasons.RECOMPUTE_TRACED if recompute and training and grad_enabled else None
+    def gather(reason=None, keeps=None) -> Decision:
+        decision = Decision(asked, Strategy.GATHER, reason if asked != Strategy.GATHER else None)
+        return replace(decision, recompute_reason=keeps) if options.recompute_adapter_inputs else decision
 
-    def gather(reason=None) -> Decision:
-        return Decision(asked, Strategy.GATHER, reason if asked != Strategy.GATHER else None, recompute_reason=keeps)
-
-    if not training:
+    if not training:  # nothing is saved: no recompute to speak of (as in eager)
         return gather(reasons.EVAL)
     if not grad_enabled:
         return gather(reasons.NO_GRAD)
     if not adapter.lora_a.weight.requires_grad:
-        return gather(reasons.FROZEN_A)
+        return gather(reasons.FROZEN_A, reasons.FROZEN_A)
     layout, why = base_layout(adapter.weight, adapter.lora_a.weight)
     if layout is None:
-        return gather(why)
-    if layout != COLUMN:
-        return gather(reasons.ROW)
-    if asked == Strategy.LOWRANK:
-        return gather(reasons.LOWRANK_TRACED)
-    if asked == Strategy.REGATHER:
-        if adapter.traced_input_reason is not None:  # what the traced forward found in its input
-            return gather(adapter.traced_input_reason)
-        return Decision(asked, Strategy.REGATHER, None, recompute_reason=keeps)
-    return gather()
+        return gather(why, why)
+    if layout == ROW:
+        return _with_outcome(gather(reasons.ROW), adapter) if _rebuilds(adapter) else gather(reasons.ROW)
+    if asked == Strategy.GATHER:
+        return gather(keeps=reasons.GATHER_KEEPS)
+    if adapter.traced_input_reason is not None:  # what the traced forward found in its input
+        return gather(adapter.traced_input_reason, reasons.GATHER_KEEPS)
+    decision = Decision(asked, asked, None)
+    return _with_outcome(decision, adapter) if _rebuilds(adapter) else decision
 
 
 def traced_lora_a(adapter, x: torch.Tensor) -> torch.Tensor:
     """LoRA-A of ``adapter`` on ``x`` in a traced forward."""
     adapter.traced = True  # decisions() reports traced_decision from now on
-    if traced_decision(adapter, adapter.training, torch.is_grad_enabled()).used != Strategy.REGATHER:
-        return adapter.lora_a(x)  # torchtitan's own LoRA-A
+    decision = traced_decision(adapter, adapter.training, torch.is_grad_enabled())
     weight = adapter.lora_a.weight
-    mesh = weight.device_mesh
-    world, seq_dim = mesh.size(), x.ndim - 2
-    if not isinstance(x, DTensor) or tuple(x.placements) != (Replicate(),):
+    ticket = adapter.ticket if _rebuilds(adapter) else compiled.NO_TICKET
+    if decision.used == Strategy.GATHER:
+        if ticket == compiled.NO_TICKET or base_layout(adapter.weight, weight)[0] != ROW:
+            return adapter.lora_a(x)  # torchtitan's own LoRA-A
+        return _row(x, weight, ticket)
+    gathered = adapter.site.find_traced(x) if adapter.site is not None else None
+    if gathered is None:
         adapter.traced_input_reason = reasons.NOT_GATHERED_TRACED  # decided again, with the reason
         return adapter.lora_a(x)
-    if x.shape[seq_dim] % world:
-        adapter.traced_input_reason = reasons.INDIVISIBLE_TRACED.format(length=x.shape[seq_dim], world=world)
+    dim, mesh = gathered.dim, weight.device_mesh
+    world = mesh.size()
+    if x.shape[dim] % world:
+        adapter.traced_input_reason = reasons.INDIVISIBLE_TRACED.format(length=x.shape[dim], world=world)
         return adapter.lora_a(x)
-    x_full = x.to_local(grad_placements=[Partial()])  # as the gather path: dX TP-partial
-    a_local = weight.to_local(grad_placements=[Partial()])
-    mid = traced_regather(x_full, a_local, mesh.get_group(), seq_dim, mesh.get_local_rank(), world)
+    a_local = weight.to_local(grad_placements=[Partial()])  # dA sums this rank's rows: TP-partial
+    if decision.used == Strategy.LOWRANK:  # the adapter reads the shard itself: its dX is complete, Shard(dim)
+        shard = gathered.shard.to_local(grad_placements=[Shard(dim)])
+        mid = traced_lowrank(shard, a_local, mesh.get_group(), dim, ticket)
+    else:
+        x_full = x.to_local(grad_placements=[Partial()])  # as the gather path: dX TP-partial
+        mid = traced_regather(x_full, gathered.shard.to_local(), a_local, mesh.get_group(), dim, world, ticket)
     return DTensor.from_local(mid, mesh, [Replicate()], run_check=False, shape=mid.shape, stride=mid.stride(),
                               grad_placements=[Partial()])
+
+
+def _row(x: DTensor, weight: DTensor, ticket: int) -> DTensor:
+    """A row-parallel LoRA-A (``x`` ``Shard(-1)``, ``A`` ``Shard(1)``): the local GEMM torchtitan's
+    DTensor op runs, its output ``Partial``; the gradient taken ``Replicate`` (as it arrives under
+    sequence parallelism, the block's output reduce-scattered)."""
+    mesh = weight.device_mesh
+    x_local = x.to_local(grad_placements=[Shard(x.ndim - 1)])
+    mid = traced_linear_a(x_local, weight.to_local(grad_placements=[Shard(1)]), ticket)
+    return DTensor.from_local(mid, mesh, [Partial()], run_check=False, shape=mid.shape, stride=mid.stride(),
+                              grad_placements=[Replicate()])

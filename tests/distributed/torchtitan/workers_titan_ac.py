@@ -54,7 +54,7 @@ def _converter(name: str | None):
 def setting_suite(rank, world_size, setting: str, names: list[str]) -> dict:
     """``names`` (``frozen``, ``torchtitan`` or a key of RUNS) under ``setting``: ``selective`` /
     ``full`` (torchtitan's SelectiveAC / FullAC with their default configs), ``compile``
-    (apply_compile with inductor) or ``fp64`` (eager, float64: the rounding reference)."""
+    (apply_compile with inductor), ``aot_eager`` (the same, AOT autograd without Inductor) or ``fp64`` (eager, float64: the rounding reference)."""
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.distributed.compile import apply_compile
@@ -67,14 +67,15 @@ def setting_suite(rank, world_size, setting: str, names: list[str]) -> dict:
             SelectiveAC.Config().build().apply(model)
         elif setting == "full":
             FullAC.Config().build().apply(model)
-        elif setting == "compile":
-            apply_compile(model, compile_config=CompileConfig(enable=True, backend="inductor"), parallel_dims=pd)
+        elif setting in ("compile", "aot_eager"):
+            backend = "inductor" if setting == "compile" else "aot_eager"
+            apply_compile(model, compile_config=CompileConfig(enable=True, backend=backend), parallel_dims=pd)
         return model
 
     dtype = torch.float64 if setting == "fp64" else torch.float32
     out = {}
     for name in names:
-        if setting == "compile":  # each model's blocks are compiled anew (one process, many models)
+        if setting in ("compile", "aot_eager"):  # each model's blocks are compiled anew (one process, many models)
             torch._dynamo.reset()
         out[name] = measure(H.build(H.model_config(_converter(name)), pd, parallelize=parallelize, dtype=dtype), dtype)
     return out
@@ -85,6 +86,7 @@ SUITE = {
     "full": ["frozen", "torchtitan", "regather", "lowrank", "regather-recompute"],
     "fp64": ["torchtitan"],
     "compile": ["frozen", "torchtitan", "gather", "regather", "lowrank", "regather-recompute"],
+    "aot_eager": ["torchtitan", "regather", "lowrank", "regather-recompute"],
 }
 
 
