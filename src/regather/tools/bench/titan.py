@@ -163,19 +163,20 @@ def _minus(a: dict, b: dict) -> dict:
     return {k: a.get(k, 0) - b.get(k, 0) for k in sorted(set(a) | set(b)) if a.get(k, 0) != b.get(k, 0)}
 
 
-def _row(results: list, frozen: int, frozen_allocated: int, spec: TitanBenchSpec) -> dict:
+def _row(results: list, frozen: int | None, frozen_allocated: int, spec: TitanBenchSpec) -> dict:
     """One variant's measurements (``results``: its dict on each rank)."""
     r0 = results[0]
+    counted = r0["saved_bytes"] is not None  # None under --compile: the allocator's bytes alone
     kinds = by_kind(r0["saved_bytes_by_label"])
     slowest = [max(r["step_time"][i] for r in results) for i in range(spec.steps)]
     comm = {phase: {k: int(v) for k, v in sorted(r0["comm_bytes"].get(phase, {}).items())} for phase in PHASES}
     return {
-        "saved_bytes": int(r0["saved_bytes"]),
+        "saved_bytes": int(r0["saved_bytes"]) if counted else None,
         "saved_bytes_same_on_all_ranks": all(r["saved_bytes"] == r0["saved_bytes"] for r in results),
         "saved_bytes_by_label": r0["saved_bytes_by_label"],
         "adapter_input_by_kind": kinds,
-        "adapter_input_bytes": sum(kinds.values()),
-        "lora_bytes_over_frozen": int(r0["saved_bytes"]) - frozen,
+        "adapter_input_bytes": sum(kinds.values()) if counted else None,
+        "lora_bytes_over_frozen": int(r0["saved_bytes"]) - frozen if counted else None,
         "allocated_bytes": int(r0["allocated_bytes"]),
         "allocated_over_frozen": int(r0["allocated_bytes"]) - frozen_allocated,
         "comm_bytes": comm,
@@ -212,7 +213,7 @@ def _parity(row: dict, ref: dict, grads: dict, ref_grads: dict) -> None:
 def summarise(per_rank: list, spec: TitanBenchSpec) -> dict:
     from regather.torchtitan.options import BASELINE, base_variant
 
-    frozen = int(per_rank[0]["frozen"]["saved_bytes"])
+    frozen = per_rank[0]["frozen"]["saved_bytes"]  # None under --compile (the allocator's bytes alone)
     frozen_allocated = int(per_rank[0]["frozen"]["allocated_bytes"])
     rows = {name: _row([r[name] for r in per_rank], frozen, frozen_allocated, spec) for name in spec.strategies}
     ref, ref_grads = rows[BASELINE], per_rank[0][BASELINE]["grads"]

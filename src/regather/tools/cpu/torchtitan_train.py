@@ -113,6 +113,12 @@ def _scalar(loss: torch.Tensor) -> float:
 
 
 def _counted(model, opts, run: TitanRun, step: int) -> tuple[float, dict]:
+    if run.compile:  # compiled blocks: the allocator's bytes alone (torchtitan_models.step)
+        loss, _, comm = M.step(model, count="allocator", dtype=run.torch_dtype, shape=run.shape,
+                               seed=run.seed + step)
+        clip_and_step(model, opts, run.max_norm)
+        return _scalar(loss), {"saved_bytes": None, "saved_bytes_by_label": {}, "allocated_bytes": comm["alive"],
+                               "comm_bytes": {}, "comm_calls": {}}
     loss, saved, comm = M.step(model, dtype=run.torch_dtype, shape=run.shape, seed=run.seed + step)
     with CollectiveBytes(functional=True) as opt:
         clip_and_step(model, opts, run.max_norm)
@@ -137,6 +143,17 @@ def _timed(model, opts, run: TitanRun, step: int) -> float:
     return _scalar(loss.detach())
 
 
+def _warm(model, run: TitanRun) -> int:
+    """Uncounted steps before step 0 (compiling the blocks first under ``--compile``): the
+    allocator's bytes alive at the end of the last one's forward; gradients reset."""
+    if run.compile:
+        M.step(model, count=False, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
+    _, _, comm = M.step(model, count="allocator", dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
+    for p in model.parameters():
+        p.grad = None
+    return comm["alive"]
+
+
 def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[str],
                   progress: Callable[[str, int, float], None] | None = None) -> dict:
     """Train one model per variant side by side; return ``{variant: result}`` and ``"frozen"``'s
@@ -147,23 +164,29 @@ def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[
 
     pd = M.parallel_dims(tp=run.tp)
     frozen = run.build(None, pd)
-    if run.compile:  # compiled on a first step, not counted (the compiler's own allocations)
+    # where the allocator's bytes are the count (a checkpoint, a compiled graph), the first step is not
+    # counted (the compiler's own allocations, one-off buffers), and the count is the smaller of a
+    # second step's and step 0's (a gloo work object may free its block late)
+    warm = run.compile or run.ac != "none"
+    if run.compile:
         import torch._dynamo
 
         # every variant's blocks compile in this one process: Dynamo's per-frame limit (8) is not enough
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * (len(variants) + 1))
-        M.step(frozen, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
-    _, saved, comm = M.step(frozen, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
-    out = {"frozen": {"saved_bytes": saved.total, "saved_bytes_by_label": saved.by_label(),
-                      "allocated_bytes": comm["alive"]}}
+    warm_alive = {}  # the allocator's bytes of an uncounted step: the count is the smaller of it and step 0's
+    if warm:
+        warm_alive["frozen"] = _warm(frozen, run)
+    _, saved, comm = M.step(frozen, count="allocator" if run.compile else "all", dtype=run.torch_dtype,
+                            shape=run.shape, seed=run.seed)
+    out = {"frozen": {"saved_bytes": saved.total if saved else None,
+                      "saved_bytes_by_label": saved.by_label() if saved else {},
+                      "allocated_bytes": min(comm["alive"], warm_alive.get("frozen", comm["alive"]))}}
     del frozen
     models = {name: run.build(name, pd) for name in variants}
     opts = {name: optimizers(model, run.lr) for name, model in models.items()}
-    if run.compile:
-        for model in models.values():
-            M.step(model, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
-            for p in model.parameters():
-                p.grad = None
+    if warm:
+        for name, model in models.items():
+            warm_alive[name] = _warm(model, run)
     for name in variants:
         out[name] = {"loss": [], "step_time": []}
     for step in range(run.steps):
@@ -175,6 +198,7 @@ def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[
             t0 = time.perf_counter()
             if step == 0:
                 loss, counts = _counted(model, opts[name], run, step)
+                counts["allocated_bytes"] = min(counts["allocated_bytes"], warm_alive.get(name, counts["allocated_bytes"]))
                 res.update(counts)
             else:
                 loss = _timed(model, opts[name], run, step)
