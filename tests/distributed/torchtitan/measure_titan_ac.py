@@ -19,7 +19,7 @@ def _plain(name: str) -> str:
 def main() -> None:
     res = run_ranks(W.ac_compile_suite, 2, timeout=900)[0]
     fp64 = res["fp64"]["torchtitan"]
-    for setting in ("selective", "full", "compile"):
+    for setting in ("selective", "full", "compile", "aot_eager"):
         runs = res[setting]
         titan = runs["torchtitan"]
         print(f"\n{setting}\n| run | over the frozen model, KiB per rank | loss, LoRA gradients vs torchtitan's |")

@@ -86,7 +86,7 @@ SUITE = {
     "full": ["frozen", "torchtitan", "regather", "lowrank", "regather-recompute"],
     "fp64": ["torchtitan"],
     "compile": ["frozen", "torchtitan", "gather", "regather", "lowrank", "regather-recompute"],
-    "aot_eager": ["torchtitan", "regather", "lowrank", "regather-recompute"],
+    "aot_eager": ["frozen", "torchtitan", "regather", "lowrank", "regather-recompute"],
 }
 
 
