@@ -120,16 +120,17 @@ def tag_adapter_inputs(graph: torch.fx.Graph) -> None:
         return
     backward = _backward_nodes(graph)
     for read in reads:
-        found = rebuild_chain(read.args[0], backward)
-        name = _names[read.args[2]] if read.args[2] < len(_names) else f"ticket {read.args[2]}"
+        x, ticket_ = read.args[0], read.args[2]
+        found = rebuild_chain(x, backward)
         if isinstance(found, str):
-            if OUTCOMES.get(read.args[2]) != found:
+            if OUTCOMES.get(ticket_) != found:
+                name = _names[ticket_] if ticket_ < len(_names) else f"ticket {ticket_}"
                 logger.info("regather: %s: its compiled input is kept: %s", name, found)
-            OUTCOMES[read.args[2]] = found
+            OUTCOMES[ticket_] = found
             continue
         for node in found:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        OUTCOMES[read.args[2]] = len(found)
+        OUTCOMES[ticket_] = len(found)
 
 
 @functools.cache

@@ -220,29 +220,24 @@ def step(model, count: bool | str = "all", dtype=None, shape: TinyLlama3 = DEFAU
     cast = dtype or torch.float32
     hook = model.tok_embeddings.register_forward_hook(lambda m, a, out: out.detach().to(cast).requires_grad_(True))
     inp, labels = tokens(shape, seed)
-    if count != "all":
-        # compiled blocks: the collective counter's dispatch mode and patched functions and the
-        # saved-tensor hooks would make Dynamo recompile (and refuse, under a mode): the allocator
-        # alone ("allocator"), or nothing (False: a plain step)
-        alloc = AllocatedBytes(settle_collectives=True)
-        try:
-            with alloc if count else contextlib.nullcontext():
-                pred = model(inp, positions(shape))
-        finally:
-            hook.remove()
-        loss = loss_of(pred, labels)
-        loss.backward()
-        return loss.detach(), None, dict(alive=alloc.alive)
+    # compiled blocks take the allocator alone ("allocator") or nothing (False): the collective
+    # counter's dispatch mode and patched functions and the saved-tensor hooks would make Dynamo
+    # recompile them (and refuse, under a mode)
+    full = count == "all"
+    alloc = AllocatedBytes(settle_collectives=True)
+    fwd, bwd, saved = CollectiveBytes(functional=True), CollectiveBytes(functional=True), SavedBytes.for_model(model)
     try:
         # the allocator's region outermost: its closing barrier is not counted by fwd
-        with AllocatedBytes(settle_collectives=True) as alloc:
-            with CollectiveBytes(functional=True) as fwd, SavedBytes.for_model(model) as saved:
+        with alloc if count else contextlib.nullcontext():
+            with fwd if full else contextlib.nullcontext(), saved if full else contextlib.nullcontext():
                 pred = model(inp, positions(shape))
     finally:
         hook.remove()
     loss = loss_of(pred, labels)
-    with CollectiveBytes(functional=True) as bwd:
+    with bwd if full else contextlib.nullcontext():
         loss.backward()
+    if not full:
+        return loss.detach(), None, dict(alive=alloc.alive)
     return loss.detach(), saved, dict(fwd=dict(fwd.calls), bwd=dict(bwd.calls), fwd_bytes=dict(fwd.bytes),
                                       bwd_bytes=dict(bwd.bytes), alive=alloc.alive)
 

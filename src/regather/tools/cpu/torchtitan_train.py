@@ -130,17 +130,9 @@ def _counted(model, opts, run: TitanRun, step: int) -> tuple[float, dict]:
 
 
 def _timed(model, opts, run: TitanRun, step: int) -> float:
-    cast = run.torch_dtype
-    hook = model.tok_embeddings.register_forward_hook(lambda m, a, out: out.detach().to(cast).requires_grad_(True))
-    inp, labels = M.tokens(run.shape, run.seed + step)
-    try:
-        pred = model(inp, M.positions(run.shape))
-    finally:
-        hook.remove()
-    loss = M.loss_of(pred, labels)
-    loss.backward()
+    loss, _, _ = M.step(model, count=False, dtype=run.torch_dtype, shape=run.shape, seed=run.seed + step)
     clip_and_step(model, opts, run.max_norm)
-    return _scalar(loss.detach())
+    return _scalar(loss)
 
 
 def _warm(model, run: TitanRun) -> int:
