@@ -127,6 +127,7 @@ def build_gpt(
     post_process: bool = True,
     vp_stage: int | None = None,
     init_parallel: bool = True,
+    transformer_layer_spec=None,
     **config_overrides,
 ):
     """Build a megatron-core ``GPTModel`` (local spec) on the current ranks.
@@ -141,6 +142,9 @@ def build_gpt(
     as megatron's ``get_model`` does; ``init_parallel=False`` keeps the parallel
     state set up by :func:`init_model_parallel` (several chunks, one state) and
     only reseeds megatron's RNG tracker.
+
+    ``transformer_layer_spec``: another layer spec than megatron's local one (the tests' Transformer
+    Engine model builds megatron's TE spec on its CPU stand-ins).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -179,7 +183,7 @@ def build_gpt(
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=transformer_layer_spec or get_gpt_layer_local_spec(),
         vocab_size=shape.vocab,
         max_sequence_length=shape.seq,
         pre_process=pre_process,
