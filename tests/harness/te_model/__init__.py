@@ -1,0 +1,48 @@
+"""A model of Transformer Engine that runs on CPU: megatron's TE linears on autograd Functions that
+save, free and return what TE's own do, and add the gradients TE's own add — for TE <= 2.3 and for
+TE >= 2.4 (read at v2.18), selectable per test (:mod:`.behaviour`).
+
+TE cannot be installed on a CPU machine (its wheel builds against CUDA). The model follows TE's
+source line by line where LoRA depends on it (the line numbers are in each module's docstring);
+its kernels are torch's.
+
+- :mod:`.behaviour`         — the two behaviours, :func:`~.behaviour.te_behaviour`, TE's ``clear_tensor_data``
+- :mod:`.layernorm_linear`  — ``_LayerNormLinear`` (the fused norm + column-parallel GEMM)
+- :mod:`.linear`            — ``_Linear`` (column / row parallel, no norm)
+- :mod:`.modules`           — megatron's ``TELayerNormColumnParallelLinear``, ``TEColumnParallelLinear``,
+  ``TERowParallelLinear`` over them
+- :mod:`.spec`              — megatron's TE GPT layer spec on them, the tiny GPT, one linear alone
+"""
+
+from tests.harness.te_model.behaviour import (
+    BEHAVIOURS,
+    TE_2_3,
+    TE_2_18,
+    Behaviour,
+    active,
+    behaviour_named,
+    clear_tensor_data,
+    install,
+    te_behaviour,
+)
+from tests.harness.te_model.modules import TEColumnParallelLinear, TELayerNormColumnParallelLinear, TERowParallelLinear
+from tests.harness.te_model.spec import build_te_gpt, te_config, te_layer_spec, te_linear
+
+__all__ = [
+    "BEHAVIOURS",
+    "TE_2_3",
+    "TE_2_18",
+    "Behaviour",
+    "TEColumnParallelLinear",
+    "TELayerNormColumnParallelLinear",
+    "TERowParallelLinear",
+    "active",
+    "behaviour_named",
+    "build_te_gpt",
+    "clear_tensor_data",
+    "install",
+    "te_behaviour",
+    "te_config",
+    "te_layer_spec",
+    "te_linear",
+]
