@@ -71,10 +71,11 @@ def normalization_backward(dgrad, inputmat, mu, rsigma, ln_weight, beta_grad, no
     no norm bias: its gradient is the sum of ``dgrad``'s rows): ``(dx, dgamma, dbeta)``."""
     weight = ln_weight + 1 if zero_centered_gamma else ln_weight
     shape = [inputmat.shape[-1]]
-    if normalization == "RMSNorm":
-        dx, dgamma = torch.ops.aten._fused_rms_norm_backward(dgrad, inputmat, shape, rsigma, weight,
-                                                            [True, ln_weight.requires_grad])
-        return dx, dgamma, None
+    if normalization == "RMSNorm":  # torch has no CPU kernel for _fused_rms_norm_backward: its formula
+        x, dy = inputmat.float(), dgrad.float() * weight.float()
+        dx = rsigma * dy - x * rsigma.pow(3) * (dy * x).mean(-1, keepdim=True)
+        dgamma = (dgrad.float() * x * rsigma).sum(0).to(ln_weight.dtype) if ln_weight.requires_grad else None
+        return dx.to(dgrad.dtype), dgamma, None
     dx, dgamma, _ = torch.ops.aten.native_layer_norm_backward(dgrad, inputmat, shape, mu, rsigma, weight, None,
                                                               [True, ln_weight.requires_grad, False])
     return dx, dgamma, dgrad.sum(0) if beta_grad else None

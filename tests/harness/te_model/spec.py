@@ -49,7 +49,7 @@ def te_config(hidden: int, tp: int, sequence_parallel: bool, dtype=torch.float32
     """A megatron ``TransformerConfig`` for one TE linear (CPU initialisation)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1, tensor_model_parallel_size=tp,
+    return TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=max(tp, 1), tensor_model_parallel_size=tp,
                              sequence_parallel=sequence_parallel and tp > 1, use_cpu_initialization=True,
                              params_dtype=dtype, bf16=dtype == torch.bfloat16, **overrides)
 
