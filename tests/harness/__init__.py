@@ -1,6 +1,6 @@
 """The test harness: what only the tests use, kept outside the wheel.
 
-Fakes and stand-ins (:mod:`.fake_te`, Transformer Engine's linears on CPU; :mod:`.bridge_env`, the
+Fakes and stand-ins (:mod:`.te_model`, a model of Transformer Engine's linears that runs on CPU; :mod:`.bridge_env`, the
 import-level shims that load Megatron Bridge's PEFT code on a CPU-only Python 3.11, ``sys.modules``
 entries included), the Bridge 0.6.2 recipe loader of the Python 3.12 tier (:mod:`.recipes`),
 megatron's own training machinery on CPU ranks (:mod:`.megatron_train`, with its ``sys.modules``

@@ -534,48 +534,59 @@ def run_many(rank: int, world: int, setups: dict, te: bool = False) -> dict:
     return result
 
 
-# -- Transformer Engine routing (CPU stand-in for TELayerNormColumnParallelLinear) ----------------
+# -- Transformer Engine routing (the TE model's TELayerNormColumnParallelLinear) --------------------
 
 
-def te_case(rank, t, strategy, recompute, *, normalization="LayerNorm", zero_centered_gamma=False,
+def te_case(rank, t, strategy, recompute, *, behaviour, normalization="LayerNorm", zero_centered_gamma=False,
             x_grad=True, eps=1e-5, s=8, b=2, h=16, o=24, r=4, sp=True) -> dict:
-    """LoRA on the fake TE LayerNorm-fused base, with and without recompute (``sp=False``: the
-    whole sequence on every rank, the replicated path)."""
+    """LoRA on the TE model's LayerNorm-fused base (``behaviour``: TE <= 2.3 or >= 2.4), with and
+    without recompute (``sp=False``: the whole sequence on every rank, the replicated path). Bytes:
+    saved-tensor hooks over the first forward (they count TE's ``ln_out`` when it is saved, released
+    or not) and the allocator's, alive after the later forwards (the smallest of three: a gloo work
+    object may free late)."""
     import torch.distributed as dist
-    from tests.harness.fake_te import TELayerNormColumnParallelLinear
+    from tests.harness.te_model import te_behaviour, te_linear
     from torch import nn
 
     from regather import LoRA
     from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
+    from regather.core.allocated import AllocatedBytes
     from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
     enable_megatron_cpu()
     group = dist.group.WORLD
-    base = TELayerNormColumnParallelLinear(h, o, tp_group=group, sequence_parallel=sp, eps=eps,
-                                           normalization=normalization, zero_centered_gamma=zero_centered_gamma)
-    model = nn.Module()
-    model.linear_qkv = base
-    torch.manual_seed(5)
-    LoRA(target_modules=["linear_qkv"], dim=r, alpha=2 * r, lora_B_init_method="normal",
-         sequence_parallel_input_strategy=strategy, recompute_adapter_inputs=recompute)(model)
-    lora = model.linear_qkv
-    g = torch.Generator().manual_seed(11)
-    x_full, dy_full = torch.randn(s, b, h, generator=g), torch.randn(s, b, o, generator=g)
-    x = (x_full.chunk(t, 0)[rank] if sp else x_full).clone().requires_grad_(x_grad)
-    dy = dy_full.chunk(t, 2)[rank].clone()
-    out = {}
-    with CollectiveBytes() as comm:
-        with SavedBytes.for_model(model) as saved:
-            y, _ = lora(x)
-        y.backward(dy)
-        y2, _ = lora(x)  # a second forward: after the first-forward verification
-        y2.backward(dy)
+    with te_behaviour(behaviour):
+        base = te_linear(h, o, tp_group=group, sequence_parallel=sp, eps=eps, normalization=normalization,
+                         zero_centered_gamma=zero_centered_gamma)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        model = nn.Module()
+        model.linear_qkv = base
+        torch.manual_seed(5)
+        LoRA(target_modules=["linear_qkv"], dim=r, alpha=2 * r, lora_B_init_method="normal",
+             sequence_parallel_input_strategy=strategy, recompute_adapter_inputs=recompute)(model)
+        lora = model.linear_qkv
+        g = torch.Generator().manual_seed(11)
+        x_full, dy_full = torch.randn(s, b, h, generator=g), torch.randn(s, b, o, generator=g)
+        x = (x_full.chunk(t, 0)[rank] if sp else x_full).clone().requires_grad_(x_grad)
+        dy = dy_full.chunk(t, 2)[rank].clone()
+        out, alive = {}, []
+        with CollectiveBytes() as comm:
+            with SavedBytes.for_model(model) as saved:
+                y, _ = lora(x)
+            y.backward(dy)
+            for _ in range(3):  # after the first-forward verification
+                with AllocatedBytes(settle_collectives=True) as alloc:
+                    y2, _ = lora(x)
+                y2.backward(dy)
+                alive.append(alloc.alive)
     a, ad = lora.adapter.linear_in.weight, lora.adapter
     rows = ad.lora_a_rows() if ad.replicated_a else slice(None)
     out.update(out=y.detach(), out2=y2.detach(), dx=None if x.grad is None else x.grad.clone(),
                dA=a.grad[rows].clone(), dB=ad.linear_out.weight.grad.clone(), decision=str(ad.last_decision),
                producer=type(ad.producer).__name__ if ad.producer is not None else ad.producer_reason,
-               saved_total=saved.total, saved_adapter_input=saved.of(ADAPTER_INPUT), comm=comm.snapshot())
+               saved_total=saved.total, saved_adapter_input=saved.of(ADAPTER_INPUT), comm=comm.snapshot(),
+               alive=min(alive))
     return out
 
 
@@ -585,15 +596,18 @@ TE_NORMS = {"layernorm": {}, "rmsnorm": {"normalization": "RMSNorm"},
 
 
 def run_te(rank, t) -> dict:
+    """Every TE case on both behaviours (keys ``(behaviour, norm, strategy, recompute)``)."""
     out = {}
-    for norm, kw in TE_NORMS.items():
-        for strategy in ("gather", "regather", "lowrank"):
+    for behaviour in ("te<=2.3", "te>=2.4"):
+        for norm, kw in TE_NORMS.items():
+            for strategy in ("gather", "regather", "lowrank"):
+                for rc in (False, True):
+                    out[(behaviour, norm, strategy, rc)] = te_case(rank, t, strategy, rc, behaviour=behaviour, **kw)
+        for strategy in ("gather", "regather"):  # SP off: every strategy takes the replicated path
             for rc in (False, True):
-                out[(norm, strategy, rc)] = te_case(rank, t, strategy, rc, **kw)
-    for strategy in ("gather", "regather"):  # SP off: every strategy takes the replicated path
-        for rc in (False, True):
-            out[("sp_off", strategy, rc)] = te_case(rank, t, strategy, rc, sp=False)
-    for strategy in ("regather", "lowrank"):  # the norm keeps nothing: its input and weights need no grad
-        out[("no_x_grad", strategy, True)] = te_case(rank, t, strategy, True, x_grad=False)
-        out[("no_x_grad", strategy, False)] = te_case(rank, t, strategy, False, x_grad=False)
+                out[(behaviour, "sp_off", strategy, rc)] = te_case(rank, t, strategy, rc, sp=False, behaviour=behaviour)
+        for strategy in ("regather", "lowrank"):  # the norm keeps nothing: its input and weights need no grad
+            for rc in (False, True):
+                out[(behaviour, "no_x_grad", strategy, rc)] = te_case(rank, t, strategy, rc, x_grad=False,
+                                                                     behaviour=behaviour)
     return out

@@ -1,37 +1,74 @@
-"""regather.megatron.dense.te: Transformer Engine bases.
+"""regather.megatron.dense.te and .te_release: Transformer Engine bases, on the TE model.
 
-CPU part: the pure-Python routing with stand-in classes (``tests.harness.fake_te``).
-GPU part (``TestRealTE``): a real ``TELayerNormColumnParallelLinear``; skips
-unless transformer_engine imports and CUDA is available. Transformer Engine is
-never installed on CPU machines (it breaks ``import megatron.core`` there,
-docs/design.md §6), so on CPU those tests always skip with that reason.
-The two-rank routing check (gathered vs local LayerNorm output, all three
-strategies) is ``tests/distributed/megatron/test_te_routing.py``.
+CPU part: the routing on :mod:`tests.harness.te_model` (megatron's TE linears over autograd
+Functions that follow TE's source), at both TE behaviours (TE <= 2.3, TE >= 2.4 read at v2.18), and
+the model itself where LoRA depends on it (what it saves, frees and returns). GPU part
+(``TestRealTE``): a real ``TELayerNormColumnParallelLinear``; skips unless transformer_engine
+imports and CUDA is available. Transformer Engine is never installed on CPU machines (it breaks
+``import megatron.core`` there, docs/design.md §6), so on CPU those tests always skip with that
+reason. Two ranks (the gathered output, every strategy against fp64):
+``tests/distributed/megatron/test_te_routing.py``.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import types
 from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.harness.fake_te import TEColumnParallelLinear, TELayerNormColumnParallelLinear
+import torch.nn.functional as F
+from tests.harness.te_model import (
+    BEHAVIOURS,
+    TE_2_3,
+    TE_2_18,
+    TEColumnParallelLinear,
+    TELayerNormColumnParallelLinear,
+    clear_tensor_data,
+    te_behaviour,
+    te_config,
+    te_linear,
+)
 from torch import nn
 
-from regather.core.strategies import Strategy
-from regather.megatron.dense import te
+from regather.core.allocated import AllocatedBytes
+from regather.megatron.dense import te, te_release
 
 TE_SKIP = ("transformer_engine is not installed: it is never installed on CPU machines "
            "(docs/design.md §6); run on a CUDA machine with Transformer Engine")
+BEHAVIOUR_NAMES = sorted(BEHAVIOURS)
+
+
+def _column(h=16, o=24, group=None):
+    return TEColumnParallelLinear(h, o, config=te_config(h, 1, False), init_method=nn.init.zeros_,
+                                  gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
+                                  tp_group=group)
+
+
+class Holder(nn.Module):
+    """A model around one TE base (LoRA's fallback log flushes after the model's forward)."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.linear_qkv = base
+
+    def forward(self, x):
+        return self.linear_qkv(x)
+
+
+def _frozen(base):
+    for p in base.parameters():
+        p.requires_grad_(False)
+    return base
 
 
 # ---------------------------------------------------------------- recognition and sizes
 
 
 def test_recognition_by_class_name():
-    ln = TELayerNormColumnParallelLinear(16, 24, tp_group=None, sequence_parallel=False)
-    col = TEColumnParallelLinear(16, 24, tp_group=None, sequence_parallel=False)
+    ln, col = te_linear(16, 24, tp_group=None, sequence_parallel=False), _column()
     assert te.is_te_linear(ln) and te.is_te_linear(col)
     assert te.fuses_layernorm(ln) and not te.fuses_layernorm(col)
     assert not te.is_te_linear(nn.Linear(2, 3)) and not te.fuses_layernorm(nn.Linear(2, 3))
@@ -39,13 +76,14 @@ def test_recognition_by_class_name():
     class Sub(TELayerNormColumnParallelLinear):  # subclasses are recognised through the MRO
         pass
 
-    assert te.fuses_layernorm(Sub(16, 24, tp_group=None, sequence_parallel=False))
+    assert te.fuses_layernorm(Sub(16, 24, config=te_config(16, 1, False), init_method=nn.init.zeros_,
+                                  gather_output=False, bias=False, skip_bias_add=False, is_expert=False))
 
 
 def test_column_parallel_from_parallel_mode():
     from regather.megatron.dense.linears import is_column_parallel
 
-    col = TEColumnParallelLinear(16, 24, tp_group=None, sequence_parallel=False)
+    col = _column()
     assert is_column_parallel(col)
     col.parallel_mode = "row"  # TE's own record wins over the class name
     assert not is_column_parallel(col)
@@ -78,77 +116,183 @@ def test_split_output_forms():
 
 @pytest.mark.parametrize("bias,skip", [(False, False), (True, True), (True, False)])
 def test_call_with_layernorm_output_sets_flags_for_one_call(bias, skip):
-    base = TELayerNormColumnParallelLinear(16, 24, tp_group=None, sequence_parallel=False, bias=bias,
-                                           skip_bias_add=skip)
+    base = te_linear(16, 24, tp_group=None, sequence_parallel=False, bias=bias, skip_bias_add=skip)
+    base.return_layernorm_output_gathered = True  # set by someone else: asked off for the call, restored
     x = torch.randn(4, 2, 16)
-    out, b, ln = te.call_with_layernorm_output(base, x, gathered=False)
-    assert (base.return_layernorm_output, base.return_layernorm_output_gathered) == (False, False)
-    torch.testing.assert_close(ln, base.layer_norm(x))
+    out, b, ln = te.call_with_layernorm_output(base, x)
+    assert (base.return_layernorm_output, base.return_layernorm_output_gathered) == (False, True)
+    torch.testing.assert_close(ln, te.layernorm_output(base, x), rtol=0, atol=0)
+    base.return_layernorm_output_gathered = False
     plain_out, plain_bias = base(x)  # flags restored: megatron's usual (out, bias)
-    torch.testing.assert_close(out, plain_out)
+    torch.testing.assert_close(out, plain_out, rtol=0, atol=0)
     assert (b is None) == (not (bias and skip)) and (plain_bias is None) == (b is None)
 
 
 def test_flags_restored_when_base_raises():
     class Boom(TELayerNormColumnParallelLinear):
         def forward(self, x):
-            assert self.return_layernorm_output and self.return_layernorm_output_gathered
+            assert self.return_layernorm_output and not self.return_layernorm_output_gathered
             raise RuntimeError("boom")
 
-    base = Boom(16, 24, tp_group=None, sequence_parallel=False)
-    base.return_layernorm_output_gathered = False
+    base = Boom(16, 24, config=te_config(16, 1, False), init_method=nn.init.zeros_, gather_output=False,
+                bias=False, skip_bias_add=False, is_expert=False)
+    base.return_layernorm_output_gathered = True
     with pytest.raises(RuntimeError, match="boom"):
-        te.call_with_layernorm_output(base, torch.randn(4, 2, 16), gathered=True)
-    assert (base.return_layernorm_output, base.return_layernorm_output_gathered) == (False, False)
+        te.call_with_layernorm_output(base, torch.randn(4, 2, 16))
+    assert (base.return_layernorm_output, base.return_layernorm_output_gathered) == (False, True)
 
 
-def _fake_adapter(strategy=Strategy.GATHER, column=True, sp=True, t=2):
-    return SimpleNamespace(column_parallel=column, sequence_parallel=sp, tp_size=t,
-                           facts=SimpleNamespace(base_name="linear_qkv"), qualified_name="layers.0.linear_qkv")
+def test_a_layernorm_output_not_shaped_as_the_input_is_an_error():
+    class Gathers(TELayerNormColumnParallelLinear):  # a base that hands back another shape
+        def forward(self, x):
+            out, bias = super().forward(x)
+            return (out[0], torch.cat([out[1], out[1]])), bias
+
+    base = Gathers(16, 24, config=te_config(16, 1, False), init_method=nn.init.zeros_, gather_output=False,
+                   bias=False, skip_bias_add=False, is_expert=False)
+    with pytest.raises(RuntimeError, match=r"shape \(8, 2, 16\) for an input of shape \(4, 2, 16\)"):
+        te.call_with_layernorm_output(base, torch.randn(4, 2, 16))
 
 
-@pytest.mark.parametrize(
-    "used,column,sp,ub,expect",
-    [
-        (Strategy.GATHER, True, True, False, True),
-        (Strategy.REGATHER, True, True, False, False),   # regather gathers its own local copy
-        (Strategy.LOWRANK, True, True, False, False),    # lowrank never gathers x
-        (Strategy.GATHER, True, False, False, False),    # no SP: nothing to gather
-        (Strategy.GATHER, True, True, True, False),      # userbuffers: TE's gathered buffer is shared
-    ],
-)
-def test_wants_gathered(used, column, sp, ub, expect):
-    base = SimpleNamespace(ub_overlap_ag_fprop=ub)
-    decision = SimpleNamespace(used=used)
-    assert te.wants_gathered(base, _fake_adapter(column=column, sp=sp), decision) is expect
+def test_installed_version_reads_te_without_importing_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace(__version__="2.18.0+e7c550c5"))
+    assert te.installed_version() == "2.18.0+e7c550c5"
+    monkeypatch.delitem(sys.modules, "transformer_engine")
+    assert te.installed_version() is None  # not installed here (never on a CPU machine)
 
 
-def test_received_gathered_checks_rows(caplog):
-    adapter = _fake_adapter(t=2)
-    x = torch.zeros(4, 2, 8)
-    assert te._received_gathered(torch.zeros(8, 2, 8), x, True, adapter) is True
-    assert te._received_gathered(torch.zeros(4, 2, 8), x, False, adapter) is False
-    te._warned_ignored.clear()
-    with caplog.at_level(logging.INFO, logger="regather"):  # an old TE ignored the request
-        assert te._received_gathered(torch.zeros(4, 2, 8), x, True, adapter) is False
-        assert te._received_gathered(torch.zeros(4, 2, 8), x, True, adapter) is False
-    assert sum("gathering it here" in r.message for r in caplog.records) == 1  # logged once
-    with pytest.raises(RuntimeError, match="6 rows for an input of 4 rows"):
-        te._received_gathered(torch.zeros(6, 2, 8), x, False, adapter)
+# ---------------------------------------------------------------- the TE model, where LoRA depends on it
 
 
-# ---------------------------------------------------------------- LoRA on a TE-style base, one rank
+@pytest.mark.parametrize("behaviour", BEHAVIOUR_NAMES)
+def test_model_returns_a_view_of_the_saved_layernorm_output(behaviour):
+    """No SP: the returned ln_out is a new view on the storage TE saved (v2.18:593-600, 503-513)."""
+    base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False, behaviour=BEHAVIOURS[behaviour]))
+    x = torch.randn(4, 2, 16, requires_grad=True)
+    _, _, ln = te.call_with_layernorm_output(base, x)
+    node, saved = te_release.saved_layernorm_output(ln)
+    assert node is ln.grad_fn and saved is not ln and saved is ln._base
+    assert saved.shape == (8, 16) and saved.untyped_storage().data_ptr() == ln.untyped_storage().data_ptr()
+    inputmat = node.saved_tensors[0]  # TE's inputmat: the input's own storage (v2.18:172-179)
+    assert inputmat.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
-def test_lora_feeds_layernorm_output_to_adapter(single_rank_group):
+@pytest.mark.parametrize("behaviour", BEHAVIOUR_NAMES)
+def test_model_frees_layernorm_output_when_not_returned(behaviour):
+    """Frozen weight, no ln_out returned: the forward leaves the output and TE's inputs/statistics
+    (the input is not new: it shares x) — ln_out is gone on both behaviours (v2.8+ clears it, v2.3-v2.7's
+    clear on None is a no-op but the last reference dies with the forward)."""
+    base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False, behaviour=BEHAVIOURS[behaviour]))
+    x = torch.randn(64, 2, 16, requires_grad=True)
+    with AllocatedBytes() as plain:
+        out, _ = base(x)
+    with AllocatedBytes() as asked:
+        out2, _, ln = te.call_with_layernorm_output(base, x)
+        del ln
+    n, e = 64 * 2, 4
+    assert plain.alive == n * 24 * e + 2 * n * e  # out, mu, rsigma
+    assert asked.alive - plain.alive == n * 16 * e  # ln_out kept because it was returned
+    del out, out2
+
+
+def test_clearing_the_returned_view_frees_nothing_the_saved_one_does():
+    """Why regather reaches TE's saved tensor through its node: TE's clear_tensor_data swaps .data
+    of the tensor it is given; the returned view is another object (TE's real layout, modelled)."""
+    base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False))
+    x = torch.randn(64, 2, 16, requires_grad=True)
+    with AllocatedBytes() as naive:
+        out, _, ln = te.call_with_layernorm_output(base, x)
+        clear_tensor_data(ln)  # the adapter side's own object
+        del ln
+    with AllocatedBytes() as reached:
+        out2, _, ln = te.call_with_layernorm_output(base, x)
+        assert te_release.release(ln) is None
+        del ln
+    assert naive.alive - reached.alive == 64 * 2 * 16 * 4
+    (out.sum() + out2.sum()).backward()  # TE's backward never reads it (frozen weight)
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("behaviour", BEHAVIOUR_NAMES)
+def test_model_adds_the_local_layernorm_output_gradient(behaviour):
+    """Both behaviours add the returned local ln_out's gradient (v2.3:812-813, v2.18:1105-1106)."""
+    base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False, behaviour=BEHAVIOURS[behaviour]))
+    g = torch.Generator().manual_seed(3)
+    x, side = torch.randn(4, 2, 16, generator=g), torch.randn(4, 2, 16, generator=g)
+    xt = x.clone().requires_grad_()
+    out, _, ln = te.call_with_layernorm_output(base, xt)
+    (out.sum() + (ln * side).sum()).backward()
+    xr = x.double().requires_grad_()
+    w, b = base.layer_norm_weight.double(), base.layer_norm_bias.double()
+    lr = F.layer_norm(xr, (16,), w, b, base.eps)
+    ((lr @ base.weight.double().t()).sum() + (lr * side.double()).sum()).backward()
+    torch.testing.assert_close(xt.grad.double(), xr.grad, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- releasing TE's ln_out: when, and when not
+
+
+def test_version_range_read():
+    assert te_release.version_reason("2.3.0") is None and te_release.version_reason("2.18.0+e7c550c5") is None
+    assert te_release.version_reason("2.9.0.dev0") is None
+    assert "outside the versions read (2.3 to 2.18)" in te_release.version_reason("2.19.0")
+    assert "outside the versions read" in te_release.version_reason("2.2.1")
+    assert "outside the versions read" in te_release.version_reason("main")
+    assert "cannot be read" in te_release.version_reason(None)
+
+
+@pytest.mark.parametrize("change,expect", [
+    (lambda b: b.weight.requires_grad_(True), "weight is trainable"),
+    (lambda b: setattr(b.config, "fp8", "hybrid"), "fp8 is on: TE saves a quantized copy"),
+    (lambda b: setattr(b, "fp8", True), "fp8 is on"),
+    (lambda b: setattr(b, "fsdp_group", object()), "TE's own FSDP (fsdp_group)"),
+    (lambda b: setattr(b.config, "cpu_offloading", True), "CPU offload"),
+    (lambda b: setattr(b, "ub_bulk_dgrad", True), "userbuffers (ub_bulk_dgrad)"),
+    (lambda b: setattr(b.config, "tp_comm_overlap", True), "userbuffers (tp_comm_overlap)"),
+])
+def test_release_refused_where_te_reads_or_copies_its_layernorm_output(change, expect):
+    base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False))
+    assert te_release.unsupported_reason(base, "2.18.0") is None
+    change(base)
+    assert expect in te_release.unsupported_reason(base, "2.18.0")
+
+
+def test_release_refused_under_backward_override(monkeypatch):
+    base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False))
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "dequantized")
+    assert "NVTE_BACKWARD_OVERRIDE='dequantized'" in te_release.unsupported_reason(base, "2.18.0")
+
+
+def test_release_finds_nothing_under_a_copying_hook_and_respects_do_not_clear():
+    base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False))
+    x = torch.randn(4, 2, 16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):  # e.g. an offload hook
+        _, _, ln = te.call_with_layernorm_output(base, x)
+    assert "saved no tensor on the storage" in te_release.release(ln)
+    _, _, ln = te.call_with_layernorm_output(base, x)
+    te_release.saved_layernorm_output(ln)[1]._do_not_clear = True
+    assert "_do_not_clear" in te_release.release(ln)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.view_as(t)):  # unpacks a new object
+        _, _, ln = te.call_with_layernorm_output(base, x)
+    assert "nothing was released" in te_release.release(ln)
+    with torch.no_grad():
+        _, _, ln = te.call_with_layernorm_output(base, x)
+    assert "no autograd node" in te_release.release(ln)
+
+
+# ---------------------------------------------------------------- LoRA on a TE base, one rank
+
+
+@pytest.mark.parametrize("behaviour", BEHAVIOUR_NAMES)
+def test_lora_feeds_layernorm_output_to_adapter(single_rank_group, behaviour):
     """TP=1: the adapter must see LN(x), not the pre-norm x; output = base + scale * B A LN(x)."""
     from regather import LoRA
 
-    torch.manual_seed(0)
-    base = TELayerNormColumnParallelLinear(16, 24, tp_group=single_rank_group, sequence_parallel=False,
-                                           bias=True, skip_bias_add=True)
+    with te_behaviour(behaviour):
+        base = te_linear(16, 24, tp_group=single_rank_group, sequence_parallel=False, bias=True, skip_bias_add=True)
     model = nn.Module()
     model.linear_qkv = base
+    torch.manual_seed(0)
     LoRA(target_modules=["linear_qkv"], dim=4, alpha=8, lora_B_init_method="normal")(model)
     lora = model.linear_qkv
     adapter = lora.adapter
@@ -159,7 +303,7 @@ def test_lora_feeds_layernorm_output_to_adapter(single_rank_group):
     a, b = adapter.linear_in.weight, adapter.linear_out.weight
     with torch.no_grad():
         plain_out, plain_bias = base(x)
-        expect = plain_out + (base.layer_norm(x) @ a.t() @ b.t()) * 2.0
+        expect = plain_out + (te.layernorm_output(base, x) @ a.t() @ b.t()) * 2.0
         wrong = plain_out + (x @ a.t() @ b.t()) * 2.0  # what feeding the pre-norm input would give
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(out, wrong, atol=1e-3)
@@ -182,12 +326,54 @@ def test_te_column_parallel_base_uses_plain_path(single_rank_group):
     from regather import LoRA
 
     model = nn.Module()
-    model.linear_fc1 = TEColumnParallelLinear(16, 24, tp_group=single_rank_group, sequence_parallel=False)
+    model.linear_fc1 = _column(group=single_rank_group)
     LoRA(target_modules=["linear_fc1"], dim=4, lora_B_init_method="normal")(model)
     assert not model.linear_fc1.te_layernorm
     x = torch.randn(3, 2, 16)
     out, _ = model.linear_fc1(x)
     assert out.shape == (3, 2, 24)
+
+
+@pytest.mark.parametrize("behaviour", [TE_2_3, TE_2_18], ids=str)
+def test_recompute_releases_te_copy_and_logs_a_refusal_once(single_rank_group, behaviour, caplog):
+    """TP=1, recompute: LoRA over the frozen base is its rank-r tensor alone (allocator bytes, the
+    second forward: the first allocates nothing that stays but it is the first-rebuild check's);
+    where the version is outside the range read the input is kept, with the reason, logged once."""
+    from regather import LoRA, decisions
+
+    s, b, h, o, r = 64, 2, 32, 48, 4
+    alive = {}
+    with te_behaviour(behaviour):
+        for variant in ("frozen", "lora", "lora-rc"):
+            base = _frozen(te_linear(h, o, tp_group=single_rank_group, sequence_parallel=False))
+            model = nn.Module()
+            model.linear_qkv = base
+            if variant != "frozen":
+                LoRA(target_modules=["linear_qkv"], dim=r, alpha=2 * r, lora_B_init_method="normal",
+                     recompute_adapter_inputs=variant == "lora-rc")(model)
+            x = torch.randn(s, b, h, requires_grad=True)
+            for _ in range(2):
+                with AllocatedBytes() as a:
+                    y, _ = model.linear_qkv(x)
+                y.sum().backward()
+            alive[variant] = a.alive
+        assert str(decisions(model)["linear_qkv"]).endswith("input recomputed from the fused LayerNorm of the TE base")
+    e = 4
+    assert alive["lora"] - alive["frozen"] == s * b * h * e + s * b * r * e  # TE keeps ln_out; LoRA-B keeps mid
+    assert alive["lora-rc"] - alive["frozen"] == s * b * r * e  # ln_out released: mid alone
+
+    with te_behaviour(TE_2_18), caplog.at_level(logging.INFO, logger="regather"):
+        te_behaviour_version = te.installed_version
+        te.installed_version = lambda: "2.19.0"
+        try:
+            model = Holder(_frozen(te_linear(h, o, tp_group=single_rank_group, sequence_parallel=False)))
+            LoRA(target_modules=["linear_qkv"], dim=r, recompute_adapter_inputs=True)(model)
+            for _ in range(2):
+                model(torch.randn(s, b, h, requires_grad=True))[0].sum().backward()
+        finally:
+            te.installed_version = te_behaviour_version
+    assert "Transformer Engine 2.19.0 is outside the versions read" in str(model.linear_qkv.adapter.last_decision)
+    assert sum("2.19.0 is outside" in r.getMessage() for r in caplog.records) == 1
 
 
 # ---------------------------------------------------------------- real Transformer Engine (GPU)
@@ -229,7 +415,7 @@ class TestRealTE:
     def test_return_forms(self, real_te, bias, skip):
         base = _te_base(bias, skip)
         x = torch.randn(8, 2, 64, device="cuda", dtype=torch.bfloat16)
-        out, b, ln = te.call_with_layernorm_output(base, x, gathered=False)
+        out, b, ln = te.call_with_layernorm_output(base, x)
         assert ln.shape == x.shape and out.shape == (8, 2, 96)
         assert (b is not None) == (bias and skip)
         ref = torch.nn.functional.layer_norm(x.float(), (64,), base.layer_norm_weight.float(),

@@ -11,7 +11,7 @@ path                function (module)                when
 =================== ================================ ==========================================
 ``gather``          :mod:`.gather`                   column-parallel, SP, gather decision
 ``pregathered``     :mod:`.pregathered`              gather decision on an input gathered by the
-                                                     base (TE) or once for base and adapter
+                                                     caller, or once for base and adapter
 ``regather``        :mod:`.regather`                 column-parallel, SP, regather decision
 ``regather-shared`` :mod:`.regather`                 the same on a shared forward gather
 ``lowrank``         :mod:`.lowrank`                  column-parallel, SP, lowrank decision
@@ -78,7 +78,7 @@ class LoraAPath:
 GATHER = LoraAPath(
     "gather", saves="x_full [s, b, h]", sends="forward: all-gather x; backward: reduce-scatter dX",
     recomputes=False, fn=lambda x, weight, args: gather_linear_a(x, weight, args.group, args.fuse, args.seq_dim))
-# the caller's gather (TE's, or LoRALinear's shared one) sends; this path adds nothing
+# the caller's gather (LoRALinear's shared one) sends; this path adds nothing
 PREGATHERED = LoraAPath(
     "pregathered", saves="x_full [s, b, h]", sends="none (the base layer's gather)", recomputes=False,
     fn=lambda x, weight, args: pregathered_linear_a(x if args.x_full is None else args.x_full, weight, args.fuse))

@@ -1,9 +1,12 @@
 """LoRA-A on an input the base layer has already gathered over the sequence.
 
-Used with Transformer Engine's ``TELayerNormColumnParallelLinear`` on the gather
-path (:mod:`regather.megatron.dense.te`): TE returns its LayerNorm output *after* its own
-sequence all-gather (``return_layernorm_output_gathered=True``), so the adapter
-must not gather a second time.
+Used when one forward gather serves the frozen base and the adapter
+(``LoRA(share_sequence_gather=True)``, :class:`regather.megatron.dense.wrapper.LoRALinear`), and by
+a caller that hands the adapter an input its base gathered (``input_gathered=True``), so that the
+adapter does not gather a second time. The caller's gather must be one whose backward
+reduce-scatters the gradient it receives. Transformer Engine's gathered LayerNorm output
+(``return_layernorm_output_gathered``) is *not* such a gather from TE 2.4 on — TE drops that
+output's gradient — so the TE front end never uses it (:mod:`regather.megatron.dense.te`).
 
 =========== ================== ==============================================
 tensor      shape              role
@@ -18,8 +21,7 @@ gather path). Backward: ``dA_i = dmid_i^T x_full`` (through
 :func:`regather.core.strategies.wgrad.weight_grad`) and the rank-*partial*
 ``dX_full = dmid_i A_i``, returned *without* a reduction: the base layer's
 backward of its all-gather is a reduce-scatter over the TP group, which sums
-these partials together with its own dgrad (TE adds the gradient of its
-gathered LayerNorm output to its dgrad before that reduce-scatter). Adding a
+these partials together with its own dgrad. Adding a
 TP all-reduce here would count each rank's contribution ``t`` times — the
 same reason megatron Bridge builds this adapter with ``disable_grad_reduce``.
 

@@ -59,7 +59,7 @@ from torch import nn
 from regather.core.recompute.graph import Meta, kept_between, modified_in_place, reason_now, same_tensor
 from regather.core.recompute.producers import HookedProducer, NormProducer
 from regather.core.recompute.sources import Captured, Kept, Recomputed
-from regather.megatron.dense import te
+from regather.megatron.dense import te, te_release
 from regather.megatron.reasons import CPU_OFFLOADING, layernorm_recomputed, no_recomputable_producer
 
 _NORM_CLASSES = ("LayerNorm", "RMSNorm", "FusedLayerNorm", "L2Norm")
@@ -82,7 +82,11 @@ class MegatronNormProducer(NormProducer):
 
 class TELayerNormProducer(HookedProducer):
     """Transformer Engine's fused ``TELayerNormColumnParallelLinear``: its input is pre-norm,
-    the adapter reads its (local) LayerNorm output."""
+    the adapter reads its (local) LayerNorm output. TE keeps its pre-norm input (``inputmat``),
+    and keeps the returned output too unless it is released: a forward whose adapters all rebuild
+    it frees TE's copy (:mod:`regather.megatron.dense.te_release`), so this producer is refused
+    wherever that cannot be done safely (its ``static_reason``), and a forward where TE's saved
+    copy cannot be found keeps its input."""
 
     name = "the fused LayerNorm of the TE base"
 
@@ -90,6 +94,17 @@ class TELayerNormProducer(HookedProducer):
         if not getattr(self.module, "return_layernorm_output", False):
             return None
         return te.split_output(result)[2]
+
+    def static_reason(self) -> str | None:
+        return te_release.unsupported_reason(self.module, te.installed_version())
+
+    def capture(self, x: torch.Tensor) -> Captured:
+        found = super().capture(x)
+        if isinstance(found, Recomputed):
+            saved = te_release.saved_layernorm_output(x)
+            if isinstance(saved, str):
+                return Kept(f"{self.name}: {saved}")
+        return found
 
     def recompute(self, inp: torch.Tensor) -> torch.Tensor:
         return te.layernorm_output(self.module, inp)

@@ -4,31 +4,35 @@ megatron-core builds ``linear_qkv`` / ``linear_fc1`` as
 ``TELayerNormColumnParallelLinear`` (LayerNorm fused into the column-parallel
 GEMM, ``megatron.core.extensions.transformer_engine``) when TE is used. Its
 input ``x`` is the *pre-norm* hidden state ``[s/t, b, h]``; LoRA-A needs the
-LayerNorm *output*, which only TE computes. TE hands it back when asked:
+LayerNorm *output*, which only TE computes. TE hands it back when asked
+(``return_layernorm_output=True``): the **local** norm output ``[s/t, b, h]``
+(``[s, b, h]`` without SP), on every strategy. Each strategy then does its own
+sequence communication (the gather path gathers it, regather gathers it into
+scratch, lowrank gathers the rank-r product), and the gradient LoRA sends back
+into that local output is the one every TE version adds to its input gradient
+(after its dgrad's reduce-scatter: TE v2.3:812-813, v2.18:1105-1106).
 
-=================================== ===================================================
-flags set on the TE module          what the adapter receives (``ln_out``)
-=================================== ===================================================
-``return_layernorm_output=True``    the local LayerNorm output ``[s/t, b, h]``:
-                                    regather and low-rank (they gather it themselves)
-``..._gathered=True`` (as well)     TE's already all-gathered LayerNorm output
-                                    ``[s, b, h]``: the gather path (no second gather,
-                                    :mod:`regather.core.strategies.pregathered`)
-=================================== ===================================================
+regather never asks for TE's *gathered* norm output
+(``return_layernorm_output_gathered``), which would spare the gather path one
+all-gather: from TE 2.4 on (commit ce0b46c4d) TE's backward drops that output's
+gradient (the only read of ``grad_outputs[1]`` is under ``not
+ctx.return_layernorm_output_gathered``), so LoRA's share of the input gradient
+would never reach the norm and the layers below. TE <= 2.3 added it before its
+reduce-scatter (v2.3:695-696). Megatron Bridge's default SP LoRA asks for it
+(docs/bridge.md).
 
-With these flags TE returns ``(out, ln_out)``, or ``(out, bias, ln_out)`` with
-``return_bias``; megatron's wrapper passes the latter through unchanged and
-wraps the former as ``((out, ln_out), None)`` (megatron-core 0.16.1,
-``TELayerNormColumnParallelLinear.forward``). :func:`split_output` accepts
-both. The flags are set only for the duration of one call (TE reads them in
-every forward) and restored afterwards, so the strategy can change between
-forwards and the module behaves as built for anyone else calling it.
+With ``return_layernorm_output`` TE returns ``(out, ln_out)``, or
+``(out, bias, ln_out)`` with ``return_bias``; megatron's wrapper passes the
+latter through unchanged and wraps the former as ``((out, ln_out), None)``
+(megatron-core 0.16.1, ``TELayerNormColumnParallelLinear.forward``).
+:func:`split_output` accepts both. The flag is set only for the duration of one
+call (TE reads it in every forward) and restored afterwards, so the module
+behaves as built for anyone else calling it.
 
-The gathered output is used only when TE's all-gather is a plain one: with
-userbuffers (``ub_overlap_ag``) TE's gathered buffer is reused across layers,
-so the local output is requested and the adapter gathers it itself (megatron
-Bridge does the same). If a TE version ignores ``return_layernorm_output_gathered``
-(older than 1.5) the returned rows say so and the adapter gathers itself.
+TE keeps the ``ln_out`` it returns for its backward, although the weight is
+frozen; with ``recompute_adapter_inputs`` the adapters rebuild it from the
+norm's input and :mod:`regather.megatron.dense.te_release` frees TE's copy once
+every adapter has read it.
 
 ``TEColumnParallelLinear`` (no fused norm) takes the LayerNorm output as its
 input like megatron's own ``ColumnParallelLinear``: nothing changes for it
@@ -36,20 +40,23 @@ except how its sizes are read (:func:`linear_sizes`).
 
 Transformer Engine is never imported here: the classes are recognised by name
 (so a CPU machine, where TE cannot be installed, imports and tests this module
-with a stand-in class). Known limits: an fp8 LayerNorm output (TE's quantized
-tensor types) and ``fp32_residual_connection`` (pre-norm input in fp32, adapter
-weights in bf16) are rejected with the adapter's dtype error.
+with a stand-in class) and the installed version is read from its metadata
+(:func:`installed_version`). Known limits: an fp8 LayerNorm output (TE's
+quantized tensor types) and ``fp32_residual_connection`` (pre-norm input in
+fp32, adapter weights in bf16) are rejected with the adapter's dtype error.
 """
 
 from __future__ import annotations
 
-import logging
+import functools
+import importlib.metadata
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-logger = logging.getLogger("regather")
+from regather.megatron.dense import te_release
 
 TE_LAYERNORM_COLUMN = "TELayerNormColumnParallelLinear"
 TE_COLUMN = "TEColumnParallelLinear"
@@ -61,12 +68,13 @@ __all__ = [
     "TE_CLASSES",
     "call_with_layernorm_output",
     "fuses_layernorm",
+    "installed_version",
     "is_te_linear",
     "layernorm_output",
     "linear_sizes",
     "lora_forward",
+    "lora_forward_many",
     "split_output",
-    "wants_gathered",
 ]
 
 
@@ -110,25 +118,27 @@ def linear_sizes(base: nn.Module, column_parallel: bool, tp_size: int) -> tuple[
     return int(in_local), int(out_local)
 
 
-def ub_overlap_ag(base: nn.Module) -> bool:
-    """TE's forward all-gather runs through userbuffers (its gathered buffer is shared)."""
-    return bool(getattr(base, "ub_overlap_ag_fprop", False) or getattr(base, "ub_overlap_ag", False))
+def installed_version() -> str | None:
+    """The installed Transformer Engine's version (``transformer_engine.__version__`` when TE is
+    imported already — megatron's TE extension imports it — else the distribution's metadata), or
+    None; TE is never imported here."""
+    module = sys.modules.get("transformer_engine")
+    version = getattr(module, "__version__", None)
+    return str(version) if version else _distribution_version()
 
 
-def wants_gathered(base: nn.Module, adapter, decision) -> bool:
-    """Ask TE for its gathered LayerNorm output: gather path, column-parallel, SP on, t > 1."""
-    from regather.core.strategies import Strategy
-
-    return (
-        decision.used == Strategy.GATHER
-        and adapter.column_parallel
-        and adapter.sequence_parallel
-        and not ub_overlap_ag(base)
-    )
+@functools.lru_cache(maxsize=1)
+def _distribution_version() -> str | None:
+    for dist in ("transformer-engine", "transformer_engine_torch"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def split_output(result: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(out, bias, ln_out)`` from what megatron's TE wrapper returned with the flags set.
+    """``(out, bias, ln_out)`` from what megatron's TE wrapper returned with the flag set.
 
     Accepted forms: ``((out, ln_out), bias_or_None)`` (TE ``return_bias=False``)
     and ``(out, bias, ln_out)`` (TE ``return_bias=True``).
@@ -147,66 +157,49 @@ def split_output(result: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.
     )
 
 
-def call_with_layernorm_output(base: nn.Module, x: torch.Tensor, gathered: bool, *args, **kwargs):
-    """Call ``base(x, ...)`` with TE's LayerNorm-output flags set for this call only.
-
-    Returns ``(out, bias, ln_out)``; ``ln_out`` is ``[s/t, b, h]``, or
-    ``[s, b, h]`` when ``gathered`` and TE honoured it.
-    """
+def call_with_layernorm_output(base: nn.Module, x: torch.Tensor, *args, **kwargs):
+    """Call ``base(x, ...)`` with ``return_layernorm_output=True`` (and the gathered form off) for
+    this call only. Returns ``(out, bias, ln_out)``, ``ln_out`` the local norm output, shaped as ``x``."""
     saved = (base.return_layernorm_output, getattr(base, "return_layernorm_output_gathered", False))
     base.return_layernorm_output = True
-    base.return_layernorm_output_gathered = bool(gathered)
+    if hasattr(base, "return_layernorm_output_gathered"):
+        base.return_layernorm_output_gathered = False
     try:
         result = base(x, *args, **kwargs)
     finally:
-        base.return_layernorm_output, base.return_layernorm_output_gathered = saved
-    return split_output(result)
-
-
-_warned_ignored: set[str] = set()
-
-
-def _received_gathered(ln_out: torch.Tensor, x: torch.Tensor, requested: bool, adapter) -> bool:
-    """Whether ``ln_out`` is the gathered one, checked from its rows (never trusted blindly)."""
-    rows, local = ln_out.shape[0], x.shape[0]
-    t = adapter.tp_size
-    if requested and rows == local * t:
-        return True
-    if rows == local:
-        if requested:
-            name = type(adapter).__name__ + ":" + getattr(adapter, "qualified_name", adapter.facts.base_name)
-            if name not in _warned_ignored:
-                _warned_ignored.add(name)
-                logger.info("LoRA adapter on %s: Transformer Engine returned its local LayerNorm output "
-                            "although the gathered one was requested (TE < 1.5?); gathering it here", name)
-        return False
-    raise RuntimeError(
-        f"LoRA adapter on {adapter.facts.base_name!r}: Transformer Engine returned a LayerNorm output of "
-        f"{rows} rows for an input of {local} rows (expected {local}" + (f" or {local * t}" if requested else "")
-        + ")"
-    )
+        base.return_layernorm_output = saved[0]
+        if hasattr(base, "return_layernorm_output_gathered"):
+            base.return_layernorm_output_gathered = saved[1]
+    out, bias, ln_out = split_output(result)
+    if ln_out.shape != x.shape:
+        raise RuntimeError(
+            f"{type(base).__name__}: Transformer Engine returned a LayerNorm output of shape {tuple(ln_out.shape)} "
+            f"for an input of shape {tuple(x.shape)} (expected the local output, shaped as the input)")
+    return out, bias, ln_out
 
 
 def lora_forward(base: nn.Module, adapter, x: torch.Tensor, plan, *args, **kwargs):
     """``(base(x) + adapter(LayerNorm(x)), bias)`` for a TE LayerNorm-fused base.
 
-    ``x`` is the pre-norm input ``[s/t, b, h]`` (already through
-    ``adapter.plan``); the adapter gets TE's LayerNorm output, gathered or not
-    as :func:`wants_gathered` decides for this forward's strategy.
+    ``x`` is the pre-norm input ``[s/t, b, h]`` (already through ``adapter.plan``); the adapter gets
+    TE's local LayerNorm output.
     """
     return lora_forward_many(base, [(adapter, plan)], x, lambda outs: outs[0], *args, **kwargs)
 
 
 def lora_forward_many(base: nn.Module, members, x: torch.Tensor, combine, *args, **kwargs):
-    """The same for several adapters on one TE base (``CanonicalLoRA``'s q/k/v or gate/up):
-    one LayerNorm output for all — gathered only if every member takes the gather path —
-    and ``combine([outputs])`` places their outputs in the base's layout."""
-    requested = all(wants_gathered(base, adapter, plan.decision) for adapter, plan in members)
-    out, bias, ln_out = call_with_layernorm_output(base, x, requested, *args, **kwargs)
+    """The same for several adapters on one TE base (``CanonicalLoRA``'s q/k/v or gate/up): one
+    LayerNorm output for all, and ``combine([outputs])`` places their outputs in the base's layout.
+    Where every adapter rebuilt its input in this forward (``recompute_adapter_inputs``), TE's
+    saved copy of the LayerNorm output is released after the last one read it
+    (:mod:`regather.megatron.dense.te_release`)."""
+    out, bias, ln_out = call_with_layernorm_output(base, x, *args, **kwargs)
     for adapter, _ in members:
         adapter.check_input(ln_out)
-    gathered = _received_gathered(ln_out, x, requested, members[0][0])
-    return out + combine([adapter(ln_out, plan=plan, input_gathered=gathered) for adapter, plan in members]), bias
+    delta = combine([adapter(ln_out, plan=plan) for adapter, plan in members])
+    if ln_out.requires_grad and all(getattr(adapter.last_decision, "recompute", None) for adapter, _ in members):
+        te_release.release_or_log(ln_out, members[0][0].log_name)
+    return out + delta, bias
 
 
 def layernorm_output(base: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -120,7 +120,9 @@ class AdapterForward:
     def forward(self, x: torch.Tensor, plan: Plan | None = None, input_gathered: bool = False,
                 x_full: torch.Tensor | None = None, m_splits=None) -> torch.Tensor:
         """``input_gathered``: ``x`` is ``[s, b, h]``, already gathered over the sequence by the
-        base layer (TE's gathered LayerNorm output, :mod:`regather.megatron.dense.te`); gather path only.
+        caller in a gather whose backward reduce-scatters the gradient it receives
+        (:mod:`regather.core.strategies.pregathered`); gather path only. Not TE's gathered
+        LayerNorm output: TE >= 2.4 drops its gradient (:mod:`regather.megatron.dense.te`).
 
         ``x_full``: ``all_gather_seq(x)`` made by the caller for the base layer too, whose
         backward reduce-scatters (:func:`regather.core.mappings.gather_seq`). LoRA-A computes on
