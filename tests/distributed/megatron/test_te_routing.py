@@ -11,14 +11,33 @@ allocator's bytes after the forward over the frozen base's are the rank-r tensor
 input is rebuilt (TE's copy of ``ln_out`` released). A control shows the model drops the gathered
 output's gradient on TE >= 2.4 and adds it on TE <= 2.3.
 
-One spawn runs the whole matrix (72 cases of one TE linear, ~10 s of work); the real-TE checks are in
+The same bytes on the tiny megatron GPT built on megatron's TE spec over the model (2 layers, LoRA on
+``linear_qkv`` and ``linear_fc1``, recompute on): LoRA over the frozen model is its rank-r tensors at
+TP1, TP2 with SP off and TP2 + SP.
+
+Two spawns: the matrix (72 cases of one TE linear) and the GPT (24 models); the real-TE checks are in
 ``tests/unit/megatron/test_te.py`` and ``benchmarks/gpu/te_lora.py``.
 """
 
 import pytest
 import torch
 from tests.harness.numerics import check_rounding, max_rel_err
-from workers_te import LAYOUTS, STRATEGIES, B, H, R, S, run_bias_forms, run_matrix
+from workers_te import (
+    GPT_DIM,
+    GPT_LAYOUTS,
+    GPT_MICRO_BATCH,
+    GPT_SEQ,
+    LAYOUTS,
+    STRATEGIES,
+    B,
+    H,
+    R,
+    S,
+    gpt_shape,
+    run_bias_forms,
+    run_gpt,
+    run_matrix,
+)
 
 from regather.tools.cpu.dist import run_ranks
 
@@ -32,6 +51,11 @@ FUSED = "input recomputed from the fused LayerNorm of the TE base"
 @pytest.fixture(scope="module")
 def matrix():
     return run_ranks(run_matrix, T, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return run_ranks(run_gpt, T, timeout=300)
 
 
 def _ids(case):
@@ -127,3 +151,48 @@ def test_te_layernorm_base_bias_forms(strategy):
     for r in run_ranks(run_bias_forms, T, strategy, timeout=120):
         assert r["bias"] is not None and torch.equal(r["bias"], r["bias_ref"])
         assert torch.equal(r["out"], r["out_ref"])  # LoRA-B starts at zero
+
+
+GPT_CASES = [(b, lay, s) for b in BEHAVIOURS for lay in GPT_LAYOUTS for s in STRATEGIES]
+
+
+@pytest.mark.parametrize("case", GPT_CASES, ids=["-".join(c) for c in GPT_CASES])
+def test_gpt_lora_over_the_frozen_model(gpt, case):
+    """The tiny GPT on the TE spec (qkv / fc1 are TE's fused LayerNorm linears), the decoder input
+    requiring grad, recompute on: the allocator's bytes after the forward over the frozen model's.
+    Where every qkv / fc1 input is rebuilt (TP1, SP off; regather and lowrank under SP) they are the
+    adapters' rank-r tensors alone: LoRA-B's input ``mid [s, b, r]`` per adapter (and lowrank's
+    fallback copy of its LoRA-A rows at TP2 with SP off). The gather path under SP keeps its
+    gathered copy, and TE its shard, as without recompute."""
+    behaviour, layout, strategy = case
+    tp, sp = GPT_LAYOUTS[layout]
+    shape, e = gpt_shape(), 4
+    adapters = shape.layers * 2
+    mid = GPT_SEQ * GPT_MICRO_BATCH * GPT_DIM * e
+    for rank, res in enumerate(gpt):
+        frozen, got = res[(behaviour, layout, "frozen")], res[(behaviour, layout, strategy)]
+        extra = got["alive"] - frozen["alive"]
+        rank_r = adapters * (mid + (GPT_DIM // tp * shape.hidden * e if strategy == "lowrank" and layout == "tp2"
+                                    else 0))
+        print(f"rank {rank} {behaviour} {layout} {strategy}: LoRA over the frozen GPT {extra} B "
+              f"(rank-r tensors {rank_r} B)")
+        if sp and strategy == "gather":
+            assert all("input kept" in d for d in got["decisions"].values()), got["decisions"]
+            full = GPT_SEQ * GPT_MICRO_BATCH * shape.hidden * e
+            assert extra == adapters * (full + full // tp) + adapters * mid
+            continue
+        assert len(got["decisions"]) == adapters
+        assert all(d.endswith("input recomputed from the fused LayerNorm of the TE base")
+                   for d in got["decisions"].values()), got["decisions"]
+        assert extra == rank_r
+
+
+@pytest.mark.parametrize("layout", GPT_LAYOUTS)
+def test_gpt_losses(gpt, layout):
+    """The same loss on every TE behaviour; gather and regather bit for bit, lowrank to rounding."""
+    for res in gpt:
+        ref = res[(BEHAVIOURS[0], layout, "gather")]["loss"]
+        for behaviour in BEHAVIOURS:
+            assert torch.equal(res[(behaviour, layout, "gather")]["loss"], ref)
+            assert torch.equal(res[(behaviour, layout, "regather")]["loss"], ref)
+            torch.testing.assert_close(res[(behaviour, layout, "lowrank")]["loss"], ref, rtol=1e-6, atol=0)

@@ -6,7 +6,8 @@ TP1: each rank on a one-rank group of its own) and recompute off / on. Per case 
 the input gradient, LoRA-A / LoRA-B gradients, in fp32, and what the same maths gives in fp32 and in
 fp64 from the full tensors (``ref32`` / ``ref64``: every rank computes them from the full weights,
 all-gathered); the decision; the allocator's bytes alive after the (second) forward, beside the
-frozen base's.
+frozen base's (:func:`tests.harness.settled_bytes.settled_allocated`, the smallest of :data:`REPEATS`).
+:func:`run_gpt`: the same bytes on the tiny megatron GPT built on the TE spec.
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tests.harness.settled_bytes import settled_allocated
 from torch import nn
 
 from regather.core.accounting import CollectiveBytes
-from regather.core.allocated import AllocatedBytes
 from regather.core.comm import all_gather_dim
 
 S, B, H, OUT, R = 16, 2, 32, 48, 4
 STRATEGIES = ("gather", "regather", "lowrank")
 LAYOUTS = ("tp2_sp", "tp2", "tp1")
 SEED = 5
-REPEATS = 3  # bytes: the smallest of this many forwards after the first (a gloo work object may free late)
+REPEATS = 4  # bytes: the smallest of this many forwards after the first (tests.harness.settled_bytes)
 
 
 class Holder(nn.Module):
@@ -96,7 +97,7 @@ def run_case(rank, behaviour, strategy, layout, recompute, group) -> dict:
         x.grad = None
         for p in ad.parameters():
             p.grad = None
-        with CollectiveBytes() as comm, AllocatedBytes(settle_collectives=True) as alloc:
+        with CollectiveBytes() as comm, settled_allocated() as alloc:
             y, _ = model(x)
         y.backward(dy)
         alive += [alloc.alive] if step else []
@@ -134,7 +135,7 @@ def frozen_alive(rank, behaviour, layout, group) -> int:
     x = local(x64, rank, t, sp).float().clone().requires_grad_()
     alive = []
     for step in range(1 + REPEATS):
-        with AllocatedBytes(settle_collectives=True) as alloc:
+        with settled_allocated() as alloc:
             y, _ = base(x)
         y.sum().backward()
         alive += [alloc.alive] if step else []
@@ -200,3 +201,64 @@ def run_bias_forms(rank, world, strategy) -> dict:
         x = local(x64, rank, 2, True).float()
         outs[with_lora] = model(x)
     return {"bias": outs[True][1], "bias_ref": outs[False][1], "out": outs[True][0], "out_ref": outs[False][0]}
+
+
+# -- the tiny GPT on megatron's TE spec (the model's linears): LoRA over the frozen model -----------------
+
+GPT_LAYOUTS = {"tp1": (1, False), "tp2": (2, False), "tp2_sp": (2, True)}
+GPT_TARGETS = ["linear_qkv", "linear_fc1"]
+GPT_SEQ, GPT_MICRO_BATCH, GPT_DIM = 16, 2, 8
+
+
+def gpt_shape():
+    from regather.tools.cpu.models import TinyGPT
+
+    return TinyGPT(hidden=32, ffn=64, vocab=128, seq=GPT_SEQ, layers=2)
+
+
+def gpt_step_bytes(model) -> tuple[int, torch.Tensor]:
+    """Allocator bytes alive after the forward (the smallest of :data:`REPEATS` steps after a
+    first one) and the loss; the decoder input requires grad (Bridge's
+    ``maybe_enable_recompute_inputs_grad``: layer 0's fused norm then keeps its input)."""
+    from regather.tools.cpu.models import gpt_batch, gpt_loss
+
+    hook = model.embedding.register_forward_hook(lambda m, a, out: out.detach().requires_grad_(True))
+    batch = gpt_batch(gpt_shape(), GPT_MICRO_BATCH, seed=3)
+    alive = []
+    try:
+        for step in range(1 + REPEATS):
+            model.zero_grad(set_to_none=True)
+            with settled_allocated() as region:
+                loss = gpt_loss(model, batch)
+            loss.backward()
+            alive += [region.alive] if step else []
+    finally:
+        hook.remove()
+    return min(alive), loss.detach()
+
+
+def run_gpt(rank, world) -> dict:
+    """The tiny GPT on the TE spec, frozen, and with LoRA (qkv, fc1; recompute on) per strategy, per
+    layout and behaviour: bytes alive after the forward, losses, decisions."""
+    from tests.harness.te_model import BEHAVIOURS, build_te_gpt, te_behaviour
+
+    from regather import LoRA, decisions
+    from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
+
+    enable_megatron_cpu()
+    out = {}
+    for name, behaviour in BEHAVIOURS.items():
+        with te_behaviour(behaviour):
+            for layout, (tp, sp) in GPT_LAYOUTS.items():
+                for variant in ("frozen",) + STRATEGIES:
+                    model = build_te_gpt(gpt_shape(), tp, sp)
+                    for p in model.parameters():
+                        p.requires_grad_(False)
+                    if variant != "frozen":
+                        LoRA(target_modules=GPT_TARGETS, dim=GPT_DIM, alpha=2 * GPT_DIM, lora_B_init_method="normal",
+                             sequence_parallel_input_strategy=variant, recompute_adapter_inputs=True)(model)
+                    alive, loss = gpt_step_bytes(model)
+                    out[(name, layout, variant)] = {
+                        "alive": alive, "loss": loss,
+                        "decisions": {} if variant == "frozen" else {p: str(d) for p, d in decisions(model).items()}}
+    return out
