@@ -13,6 +13,8 @@ on it; :func:`te_linear` one ``TELayerNormColumnParallelLinear`` for the routing
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 
 import torch
 
@@ -32,8 +34,13 @@ def te_layer_spec():
     layer.sharded_state_dict_keys_map = {}
     attention = layer.self_attention.submodules
     attention.linear_qkv, attention.linear_proj = TELayerNormColumnParallelLinear, TERowParallelLinear
-    mlp = layer.mlp.submodules
-    mlp.linear_fc1, mlp.linear_fc2 = TELayerNormColumnParallelLinear, TERowParallelLinear
+    if isinstance(layer.mlp, functools.partial):  # 0.19: MLP.as_mlp_submodule with submodules=
+        mlp = dataclasses.replace(layer.mlp.keywords["submodules"], linear_fc1=TELayerNormColumnParallelLinear,
+                                  linear_fc2=TERowParallelLinear)
+        layer.mlp = functools.partial(layer.mlp.func, *layer.mlp.args, **{**layer.mlp.keywords, "submodules": mlp})
+    else:  # 0.16: a ModuleSpec
+        layer.mlp.submodules.linear_fc1 = TELayerNormColumnParallelLinear
+        layer.mlp.submodules.linear_fc2 = TERowParallelLinear
     return spec
 
 
