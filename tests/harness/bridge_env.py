@@ -33,6 +33,15 @@ touches what the PEFT code computes; each one only gets an import through:
    (megatron-core has it from 0.18 on; then the stand-in is not installed). No model is an
    instance of the stand-in, so the recompute patch sees only TransformerBlocks.
 
+:func:`bridge_sees_te_model` adds one, for the Transformer Engine tests only, while its block runs:
+
+7. Bridge's TE names in ``peft.utils`` (``HAVE_TE``, ``TELayerNormColumnParallelLinear``,
+   ``TEColumnParallelLinear``, ``TERowParallelLinear`` and the ``TECL`` / ``TERL`` tuples built
+   from them at import; ``TELinear`` and the grouped classes as classes nothing is an instance of)
+   bound to the classes of :mod:`tests.harness.te_model`, and its ``version("transformer-engine")``
+   answering the modelled TE version: what Bridge reads on a GPU machine with that TE installed.
+   Bridge's own code then runs its TE branch of ``get_adapter_attributes_from_linear`` unchanged.
+
 :func:`import_bridge_checkpointing` adds one more, for the checkpoint tests only:
 
 6. ``megatron.bridge.training.checkpointing`` holding only the three functions that
@@ -200,6 +209,37 @@ def _import_lora_layers_with_te_stand_in() -> None:
     with te_stand_in("tests.harness.bridge_env"):
         importlib.import_module(name)
     _SHIMS.append("transformer_engine stand-in while importing peft.lora_layers")
+
+
+@contextlib.contextmanager
+def bridge_sees_te_model(te_version: str):
+    """Shim 7 (module doc) while the block runs; restored after it."""
+    import importlib.metadata
+
+    from tests.harness import te_model
+
+    import_bridge_peft()
+    utils = sys.modules["megatron.bridge.peft.utils"]
+
+    class NotInThisModel:  # TE's TELinear (duplicated) and grouped linears: none in the TE model's GPT
+        pass
+
+    def version(dist: str) -> str:
+        return te_version if dist == "transformer-engine" else importlib.metadata.version(dist)
+
+    col, ln_col, row = te_model.TEColumnParallelLinear, te_model.TELayerNormColumnParallelLinear, te_model.TERowParallelLinear
+    bound = {"HAVE_TE": True, "TEColumnParallelLinear": col, "TELayerNormColumnParallelLinear": ln_col,
+             "TERowParallelLinear": row, "TELinear": NotInThisModel, "TEColumnParallelGroupedLinear": NotInThisModel,
+             "TERowParallelGroupedLinear": NotInThisModel, "TECL": (col, ln_col, NotInThisModel),
+             "TERL": (row, NotInThisModel), "version": version}
+    saved = {name: getattr(utils, name) for name in bound}
+    for name, value in bound.items():
+        setattr(utils, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(utils, name, value)
 
 
 _CHECKPOINTING_FUNCTIONS = ("_is_model_section", "apply_peft_adapter_filter_to_state_dict",
