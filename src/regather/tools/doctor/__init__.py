@@ -16,6 +16,9 @@ frozen-input                  reentrant checkpoint never runs its backward (no L
 regather-off         warning  LoRA + SP keeps full gathered LoRA-A inputs (strategy gather)
                               while adapters could re-gather
 regather-no-effect   info     re-gather asked, but SP is off or TP is 1
+te-ln-grad           error /  Megatron Bridge's own LoRA (``--bridge-lora``) asks Transformer Engine
+                     warning  for its gathered LayerNorm output under SP, and TE >= 2.4 drops its
+                              gradient (warning: TE version unknown; :mod:`.te_gradient`)
 adapter              info /   every LoRA adapter's decision (strategy used and why; with
                      warning  ``--recompute-adapter-inputs`` whether its input is recomputed and
                               from what, or why it is kept); a fallback that is not by design
@@ -36,6 +39,7 @@ finding is testable without GPUs. One module per concern:
 - :mod:`.rules`       — every adapter's decision from the eligibility and producer rules
 - :mod:`.built`       — ``--build``: the tiny GPT built on CPU gloo ranks, its adapters asked
 - :mod:`.savings`     — the bytes re-gathering and recompute save, and what re-dispatch would free
+- :mod:`.te_gradient` — the Transformer Engine rule: a gathered LayerNorm output's lost gradient
 - :mod:`.findings`    — the adapter findings and their fixes; :func:`diagnose`
 - :mod:`.cli`         — ``regather doctor``
 """

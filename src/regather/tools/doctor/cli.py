@@ -54,6 +54,11 @@ def register(subparsers) -> None:
     p.add_argument("--activation", choices=["gelu", "swiglu"], default=d.activation, help="the MLP's activation")
     p.add_argument("--no-bias", dest="add_bias_linear", action="store_false",
                    help="add_bias_linear=False (Qwen/Llama-style linears without bias)")
+    p.add_argument("--bridge-lora", action="store_true",
+                   help="the run uses Megatron Bridge's own LoRA (--strategy regather: with "
+                        "sequence_parallel_input_regather=True): checks what it asks Transformer Engine for")
+    p.add_argument("--te-version", default=None,
+                   help="the Transformer Engine version of the run (default: the one installed here, if any)")
     p.add_argument("--build", action="store_true",
                    help="build the GPT on --tp CPU gloo ranks and ask its adapters (regather.decisions, then "
                         "each adapter's decision in one training step for the recompute checks)")
@@ -75,7 +80,14 @@ def setup_from_args(args) -> Setup:
                  recompute_method=args.recompute_method, recompute_modules=tuple(args.recompute_modules),
                  recompute_adapter_inputs=args.recompute_adapter_inputs,
                  input_requires_grad=args.input_requires_grad, activation=args.activation,
-                 add_bias_linear=args.add_bias_linear)
+                 add_bias_linear=args.add_bias_linear, bridge_lora=getattr(args, "bridge_lora", False),
+                 te_version=getattr(args, "te_version", None) or _installed_te())
+
+
+def _installed_te() -> str | None:
+    from regather.megatron.dense.te import installed_version
+
+    return installed_version()
 
 
 def main(args, env: Mapping[str, str] | None = None) -> int:

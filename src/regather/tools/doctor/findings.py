@@ -10,6 +10,7 @@ from regather.tools.doctor.environment import env_findings
 from regather.tools.doctor.rules import analytic_decisions
 from regather.tools.doctor.savings import redispatch_finding, saving_finding
 from regather.tools.doctor.setup import Finding, Setup
+from regather.tools.doctor.te_gradient import te_gradient_finding
 
 _BY_DESIGN = ("base layer", "module is in eval mode", "autograd is disabled", "running inside")
 # reasons to keep an input under recompute_adapter_inputs that point at something to change
@@ -106,5 +107,6 @@ def diagnose(env: Mapping[str, str], setup: Setup, decisions: Mapping[str, Mappi
     if decisions is None:
         decisions = analytic_decisions(setup)
     redispatch = redispatch_finding(setup, decisions)
-    return (env_findings(env, setup) + adapter_findings(setup, decisions) + ([redispatch] if redispatch else [])
-            + [saving_finding(setup, decisions)])
+    te = te_gradient_finding(setup)
+    return (env_findings(env, setup) + ([te] if te else []) + adapter_findings(setup, decisions)
+            + ([redispatch] if redispatch else []) + [saving_finding(setup, decisions)])

@@ -47,6 +47,9 @@ class Setup(ModelShape, RunShape):
     recompute_adapter_inputs: bool = False
     activation: str = "gelu"  # the MLP's: "gelu" or "swiglu" (silu, gated)
     add_bias_linear: bool = True  # megatron's default (the tiny test GPT has biases)
+    # the LoRA is Megatron Bridge's own (not regather's), and the Transformer Engine version (te_gradient)
+    bridge_lora: bool = False
+    te_version: str | None = None
 
 
 def shares_expert_lora(setup: Setup) -> bool:
