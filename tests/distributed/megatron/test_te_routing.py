@@ -12,8 +12,8 @@ input is rebuilt (TE's copy of ``ln_out`` released). A control shows the model d
 output's gradient on TE >= 2.4 and adds it on TE <= 2.3.
 
 The same bytes on the tiny megatron GPT built on megatron's TE spec over the model (2 layers, LoRA on
-``linear_qkv`` and ``linear_fc1``, recompute on): LoRA over the frozen model is its rank-r tensors at
-TP1, TP2 with SP off and TP2 + SP.
+``linear_qkv``, ``linear_fc1`` and ``linear_fc2``, recompute on): LoRA over the frozen model is its
+rank-r tensors at TP1, TP2 with SP off and TP2 + SP.
 
 Two spawns: the matrix (72 cases of one TE linear) and the GPT (24 models); the real-TE checks are in
 ``tests/unit/megatron/test_te.py`` and ``benchmarks/gpu/te_lora.py``.
@@ -158,32 +158,36 @@ GPT_CASES = [(b, lay, s) for b in BEHAVIOURS for lay in GPT_LAYOUTS for s in STR
 
 @pytest.mark.parametrize("case", GPT_CASES, ids=["-".join(c) for c in GPT_CASES])
 def test_gpt_lora_over_the_frozen_model(gpt, case):
-    """The tiny GPT on the TE spec (qkv / fc1 are TE's fused LayerNorm linears), the decoder input
-    requiring grad, recompute on: the allocator's bytes after the forward over the frozen model's.
-    Where every qkv / fc1 input is rebuilt (TP1, SP off; regather and lowrank under SP) they are the
-    adapters' rank-r tensors alone: LoRA-B's input ``mid [s, b, r]`` per adapter (and lowrank's
-    fallback copy of its LoRA-A rows at TP2 with SP off). The gather path under SP keeps its
-    gathered copy, and TE its shard, as without recompute."""
+    """The tiny GPT on the TE spec (qkv / fc1 are TE's fused LayerNorm linears, fc2 a TE row-parallel
+    linear, which keeps no input with a frozen weight), the decoder input requiring grad, recompute
+    on: the allocator's bytes after the forward over the frozen model's. Where every input is rebuilt
+    (TP1, SP off; regather and lowrank under SP; fc2 from the activation's input everywhere) they are
+    the adapters' rank-r tensors alone: LoRA-B's input ``mid [s, b, r]`` per adapter (and lowrank's
+    fallback copy of its LoRA-A rows at TP2 with SP off). The gather path under SP keeps its gathered
+    copy, and TE its shard, as without recompute."""
     behaviour, layout, strategy = case
     tp, sp = GPT_LAYOUTS[layout]
     shape, e = gpt_shape(), 4
-    adapters = shape.layers * 2
+    column = shape.layers * 2  # qkv, fc1: TE's fused LayerNorm linears
     mid = GPT_SEQ * GPT_MICRO_BATCH * GPT_DIM * e
     for rank, res in enumerate(gpt):
         frozen, got = res[(behaviour, layout, "frozen")], res[(behaviour, layout, strategy)]
         extra = got["alive"] - frozen["alive"]
-        rank_r = adapters * (mid + (GPT_DIM // tp * shape.hidden * e if strategy == "lowrank" and layout == "tp2"
-                                    else 0))
+        rank_r = shape.layers * 3 * mid + (column * GPT_DIM // tp * shape.hidden * e
+                                           if strategy == "lowrank" and layout == "tp2" else 0)
         print(f"rank {rank} {behaviour} {layout} {strategy}: LoRA over the frozen GPT {extra} B "
               f"(rank-r tensors {rank_r} B)")
+        decisions = got["decisions"]
+        assert len(decisions) == shape.layers * 3
+        fc2 = {p: d for p, d in decisions.items() if p.endswith("linear_fc2")}
+        assert all(d.endswith("input recomputed from the MLP activation (gelu)") for d in fc2.values()), fc2
+        fused = {p: d for p, d in decisions.items() if p not in fc2}
         if sp and strategy == "gather":
-            assert all("input kept" in d for d in got["decisions"].values()), got["decisions"]
+            assert all("input kept" in d for d in fused.values()), fused
             full = GPT_SEQ * GPT_MICRO_BATCH * shape.hidden * e
-            assert extra == adapters * (full + full // tp) + adapters * mid
+            assert extra == column * (full + full // tp) + shape.layers * 3 * mid
             continue
-        assert len(got["decisions"]) == adapters
-        assert all(d.endswith("input recomputed from the fused LayerNorm of the TE base")
-                   for d in got["decisions"].values()), got["decisions"]
+        assert all(d.endswith("input recomputed from the fused LayerNorm of the TE base") for d in fused.values()), fused
         assert extra == rank_r
 
 

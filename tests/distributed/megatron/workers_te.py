@@ -206,7 +206,7 @@ def run_bias_forms(rank, world, strategy) -> dict:
 # -- the tiny GPT on megatron's TE spec (the model's linears): LoRA over the frozen model -----------------
 
 GPT_LAYOUTS = {"tp1": (1, False), "tp2": (2, False), "tp2_sp": (2, True)}
-GPT_TARGETS = ["linear_qkv", "linear_fc1"]
+GPT_TARGETS = ["linear_qkv", "linear_fc1", "linear_fc2"]
 GPT_SEQ, GPT_MICRO_BATCH, GPT_DIM = 16, 2, 8
 
 
@@ -238,7 +238,7 @@ def gpt_step_bytes(model) -> tuple[int, torch.Tensor]:
 
 
 def run_gpt(rank, world) -> dict:
-    """The tiny GPT on the TE spec, frozen, and with LoRA (qkv, fc1; recompute on) per strategy, per
+    """The tiny GPT on the TE spec, frozen, and with LoRA (qkv, fc1, fc2; recompute on) per strategy, per
     layout and behaviour: bytes alive after the forward, losses, decisions."""
     from tests.harness.te_model import BEHAVIOURS, build_te_gpt, te_behaviour
 
