@@ -568,7 +568,7 @@ def test_te_spec_sp_regather_frees_every_gathered_input():
 def test_te_spec_replicated_keeps_what_lora_asked_te_to_keep():
     """Llama 3 70B TP8 SP off s4096 on TE: LoRA-A's qkv / fc1 input is the ln_out TE keeps only because
     LoRA asked for it (x_full each, every strategy); proj's is free (fused attention); fc2's new bytes.
-    -recompute (modelled, as on the local spec) rebuilds all but layer 0's qkv input."""
+    -recompute (measured on the TE model on CPU) rebuilds all but layer 0's qkv input."""
     m, n, s = LLAMA3_70B, 80, 4096
     x, proj, fc2 = s * 8192 * 2, s * 64 * 128 // 8 * 2, s * 28672 // 8 * 2
     te = estimate(m, Run(tp=8, sp=False, seq=s, spec="te", attention_keeps_output=True))
@@ -593,6 +593,7 @@ def test_cli_spec_te_is_the_default_and_shows_the_local_spec(capsys):
     assert cli.main(args + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["spec"] == "te" and doc["run"]["sp"] is False
+    assert doc["how_obtained"]["linear_qkv"] == "TE model on CPU" and doc["how_obtained"]["linear_proj"] == "modelled"
     row = doc["strategies"]["regather-recompute"]
     assert row["adapter_input_bytes"] == x
     assert row["local_spec"] == {"adapter_input_bytes": x + 80 * proj, "saved_vs_gather": 159 * x + 80 * fc2}
@@ -600,7 +601,8 @@ def test_cli_spec_te_is_the_default_and_shows_the_local_spec(capsys):
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert out.count("  on the local spec           : ") == 6 and "spec: te (Transformer Engine" in out
-    assert "awaits GPU verification" in out
+    assert "[TE model on CPU]" in out and "[modelled: the TE model has no fused attention]" in out
+    assert "none measured on a GPU yet" in out
     assert cli.main(args + ["--spec", "local", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert "spec" not in doc and all("local_spec" not in r for r in doc["strategies"].values())

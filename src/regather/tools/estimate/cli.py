@@ -78,7 +78,8 @@ def register(subparsers) -> None:
     p.add_argument("--spec", choices=SPECS, default="te", action=_Given,
                    help="what the base linears keep: te = Transformer Engine (transformer_impl=\"transformer_engine\", "
                         "what Bridge's PEFT recipes run: LayerNormLinear keeps its ln_out for LoRA-A, fused attention "
-                        "its output; -recompute modelled, awaiting GPU verification); local = megatron's local spec "
+                        "its output; the qkv / fc1 / fc2 rules measured on the TE model on CPU, the rest modelled); "
+                        "local = megatron's local spec "
                         "(what regather bench runs)")
     p.add_argument("--tp", type=int, default=2, action=_Given)
     p.add_argument("--no-sp", dest="sp", action=_Given, nargs=0, const=False, default=True,

@@ -14,7 +14,7 @@ from regather.tools.estimate.config import (
     layers_here,
 )
 from regather.tools.estimate.experts import expert_layout
-from regather.tools.estimate.spec import LOCAL, spec_lines
+from regather.tools.estimate.spec import HOW_OBTAINED, LOCAL, spec_lines
 from regather.tools.estimate.summary import adapter_input_bytes, saved_vs_gather
 
 # The reference's measured peak-memory drops with sequence_parallel_input_regather=True
@@ -135,6 +135,7 @@ def as_json(model: Model, run: Run, result: dict, reference: dict | None = None,
     if run.spec != LOCAL:
         out["spec"] = run.spec
         out["spec_notes"] = spec_lines(run)
+        out["how_obtained"] = dict(HOW_OBTAINED)
         if reference:
             out["reference_on_spec"] = reference_on_te(model, run)
         out["strategies"] = {name: {**row, **({"local_spec": {k: local[name][k] for k in (

@@ -36,13 +36,19 @@ weight.requires_grad and not return_layernorm_output``, and what it saves is alw
 So under SP regather frees the whole gathered input on TE (``x_full`` per eligible adapter) and
 half of it on the local spec at TP 2, whose norm keeps no output.
 
-**Recompute** (``-recompute``, ``LoRA(recompute_adapter_inputs=True)``): on the local spec the
-implemented behaviour (:mod:`regather.tools.estimate.dense`): qkv / fc1 inputs rebuilt from
-the norm's input and statistics — on the re-gather path under SP and on the replicated path
-(TP = 1, SP off) — fc2's from the activation's input, each where its producer keeps a tensor.
-On the TE spec the same rule is *modelled*: LoRA-A takes the norm output without TE keeping it
-(docs/design.md, the TE section), which awaits GPU verification; the gather path under SP keeps
-its gathered copy and TE's shard as without recompute.
+**Recompute** (``-recompute``, ``LoRA(recompute_adapter_inputs=True)``): the implemented
+behaviour (:mod:`regather.tools.estimate.dense`): qkv / fc1 inputs rebuilt from the norm's input —
+on the re-gather path under SP and on the replicated path (TP = 1, SP off) — fc2's from the
+activation's input, each where its producer keeps a tensor. On the TE spec the adapters also release
+the copy of ``ln_out`` TE keeps for them (docs/design.md §3.5.1); the gather path under SP keeps its
+gathered copy and TE's shard as without recompute.
+
+**How each TE figure is obtained** (:data:`HOW_OBTAINED`, printed with the report): "TE model on
+CPU" — the rule is measured, allocator bytes over the frozen model, on a model of Transformer Engine
+that runs on CPU (TE's autograd Functions as read in its source, TE <= 2.3 and >= 2.4;
+tests/distributed/megatron/test_te_routing.py): what qkv / fc1 / fc2 keep with and without
+recompute. "modelled" — read in TE's source only: ``linear_proj`` beside TE's fused attention (the
+TE model has none) and the expert linears. None of it is measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -51,8 +57,15 @@ from regather.tools.estimate.config import Model, Run
 
 TE, LOCAL = "te", "local"  # config.SPECS
 
-TE_RECOMPUTE = ("modelled as on the local spec (LoRA-A takes the norm output without TE keeping it); "
-                "awaits GPU verification")
+TE_MODEL = "TE model on CPU"
+MODELLED = "modelled"
+#: how each TE-spec rule was obtained (module doc)
+HOW_OBTAINED = {
+    "linear_qkv": TE_MODEL, "linear_fc1": TE_MODEL, "linear_fc2": TE_MODEL, "recompute": TE_MODEL,
+    "linear_proj": MODELLED, "experts": MODELLED,
+}
+TE_RECOMPUTE = ("qkv / fc1 rebuilt from the norm's input TE keeps, TE's copy of ln_out released "
+                "(docs/design.md 3.5.1); fc2 from the activation's input")
 
 
 def replicated(run: Run) -> bool:
@@ -75,13 +88,17 @@ def spec_lines(run: Run) -> list[str]:
         return []
     where = "the shard TE keeps under SP (the gather path's gathered copy comes on top)" if not replicated(run) \
         else "the ln_out TE keeps only because LoRA asked for it"
-    proj = ("0 new bytes: fused attention saves its output O" if run.attention_keeps_output
-            else "new bytes: unfused attention saves the probabilities and V")
+    proj = (f"0 new bytes: fused attention saves its output O [{MODELLED}: the TE model has no fused attention]"
+            if run.attention_keeps_output else "new bytes: unfused attention saves the probabilities and V "
+            "[as on the local spec]")
     return [
         "spec: te (Transformer Engine, transformer_impl=\"transformer_engine\", what Bridge's PEFT recipes run; "
         "--spec local: megatron's local spec)",
         f"  linear_qkv, linear_fc1: Bridge sets return_layernorm_output, so TE's LayerNormLinear keeps ln_out; "
-        f"LoRA-A's input is {where}",
-        f"  linear_proj: {proj}; linear_fc2: new bytes (TE's Linear with a frozen weight keeps no input)",
-        f"  -recompute on this spec: {TE_RECOMPUTE}",
+        f"LoRA-A's input is {where} [{TE_MODEL}]",
+        f"  linear_proj: {proj}",
+        f"  linear_fc2: new bytes (TE's Linear with a frozen weight keeps no input) [{TE_MODEL}]",
+        f"  -recompute on this spec: {TE_RECOMPUTE} [{TE_MODEL}]",
+        f"  how obtained: [{TE_MODEL}] measured on a model of Transformer Engine that runs on CPU (allocator "
+        f"bytes, TE <= 2.3 and >= 2.4); [{MODELLED}] read in TE's source only; none measured on a GPU yet",
     ]
