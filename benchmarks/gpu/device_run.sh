@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine: te_norm_grad.py (does Transformer Engine add the gradient of
 # its returned gathered LayerNorm output? seconds; "not available" without TE), run.sh (one
-# Qwen3-8B layer per strategy), then kernels.sh (wgrad kernels, extension build, comm-stream
-# overlap trace), each time-boxed, every result in $OUT as at most 8 files, never stopping at a
-# failed step.
+# Qwen3-8B layer per strategy), te_lora.py (regather's LoRA on a real TE base: input gradient vs
+# fp64, recompute's bytes; "not available" without TE), then kernels.sh (wgrad kernels, extension
+# build, comm-stream overlap trace), each time-boxed, every result in $OUT as at most 8 files,
+# never stopping at a failed step.
 #
 #   OUT=DIR benchmarks/gpu/device_run.sh            # on the GPU machine (README.md: the device call)
 #   DRY_RUN=1 OUT=DIR benchmarks/gpu/device_run.sh  # on CPU: the same steps' dry runs, same bundle
@@ -13,20 +14,22 @@
 #             immediate rerun fit into a 15-minute device budget with the machine's start
 #   TE_S      te_norm_grad.py's share, default 60 s (it takes seconds; TE's import is the most)
 #   RUN_S     run.sh's share, default 110 s; kernels.sh gets what is left minus 15 s for bundling
-#   STEPS     default "te run kernels"; e.g. STEPS=kernels to rerun one step
-#   DRY_RUN   1: te_norm_grad.py --cpu-dry-run, run.sh --dry-run and kernels.sh --cpu-dry-run
-#             (tiny shapes on CPU; budgets default to 900 s, 120 s and 420 s there)
+#   TE_LORA_S te_lora.py's share, default 60 s (after run.sh: it needs the megatron-core run.sh installs)
+#   STEPS     default "te run te_lora kernels"; e.g. STEPS=kernels to rerun one step
+#   DRY_RUN   1: te_norm_grad.py --cpu-dry-run, run.sh --dry-run, te_lora.py --cpu-dry-run and
+#             kernels.sh --cpu-dry-run (tiny shapes on CPU; budgets default to 900 s, 120 s, 420 s and
+#             120 s there)
 #   PYTHON    default python3
 # Each step runs under `timeout` (its budget + 20 s, then SIGKILL 10 s later), so the whole run
 # ends by BUDGET_S + about 30 s whatever a step does.
 #
 # Files in $OUT (7):
-#   summary.txt        one line per step: name, exit code, seconds, budget; the line
-#                      "te_norm_grad: <verdict>"; then the environment
+#   summary.txt        one line per step: name, exit code, seconds, budget; the lines
+#                      "te_norm_grad: <verdict>" and "te_lora: <verdict>"; then the environment
 #   device_run.log     every step's console output and ext_build.log, one after the other
 #   layer_bench.json   layer_bench.md   kernels.json   kernels.md   (when the step wrote them; the
-#                      TE check's result is folded into kernels.json (key te_norm_grad) and
-#                      kernels.md, which it creates when kernels.sh wrote none)
+#                      TE checks' results are folded into kernels.json (keys te_norm_grad,
+#                      te_lora) and kernels.md, which they create when kernels.sh wrote none)
 #   results.tar.gz     everything every step wrote (te/te_norm_grad.json, overlap_trace.json, ...)
 # Exit status: 0 when every step exited 0, else 1 (the summary says which).
 set -uo pipefail
@@ -35,11 +38,12 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/out/gpu}
 DRY_RUN=${DRY_RUN:-0}
 if [ "$DRY_RUN" = 1 ]; then  # CPU: tiny shapes, but a shared 2-core machine can be slow
-  BUDGET_S=${BUDGET_S:-900}; RUN_S=${RUN_S:-420}; TE_S=${TE_S:-120}
+  BUDGET_S=${BUDGET_S:-900}; RUN_S=${RUN_S:-420}; TE_S=${TE_S:-120}; TE_LORA_S=${TE_LORA_S:-120}
 else
-  BUDGET_S=${BUDGET_S:-330}; RUN_S=${RUN_S:-110}; TE_S=${TE_S:-60}
+  BUDGET_S=${BUDGET_S:-330}; RUN_S=${RUN_S:-110}; TE_S=${TE_S:-60}; TE_LORA_S=${TE_LORA_S:-60}
 fi
-STEPS=${STEPS:-te run kernels}
+STEPS=${STEPS:-te run te_lora kernels}
+DEPS=${DEPS:-${TMPDIR:-/tmp}/regather-gpu-deps}  # where run.sh installs megatron-core (offline_deps.sh)
 export PYTHON=${PYTHON:-python3} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 STAGE=$(mktemp -d "${TMPDIR:-/tmp}/regather-device-XXXXXX")
@@ -84,6 +88,11 @@ for s in $STEPS; do
       if [ "$DRY_RUN" = 1 ]; then args=(--dry-run --rounds 1); else args=(); fi
       step run "$RUN_S" bash benchmarks/gpu/run.sh ${args[@]+"${args[@]}"}
       ;;
+    te_lora)
+      if [ "$DRY_RUN" = 1 ]; then args=(--cpu-dry-run); else args=(); fi
+      step te_lora "$TE_LORA_S" env PYTHONPATH="$SRC_PATH:$DEPS" "$PYTHON" benchmarks/gpu/te_lora.py \
+        ${args[@]+"${args[@]}"}
+      ;;
     kernels)
       left=$(( BUDGET_S - $(elapsed) - 15 ))
       [ "$left" -lt 90 ] && left=90
@@ -91,7 +100,7 @@ for s in $STEPS; do
       step kernels "$left" bash benchmarks/gpu/kernels.sh ${args[@]+"${args[@]}"}
       ;;
     *)
-      echo "device_run.sh: unknown step '$s' (known: te run kernels)" >>"$LOG"
+      echo "device_run.sh: unknown step '$s' (known: te run te_lora kernels)" >>"$LOG"
       printf '%-8s %4s %7s %8s\n' "$s" "-" 0 0 >>"$SUMMARY"
       FAILED=$(( FAILED + 1 ))
       ;;
@@ -104,23 +113,28 @@ fi
 for f in run/layer_bench.json run/layer_bench.md kernels/kernels.json kernels/kernels.md; do
   [ -f "$STAGE/$f" ] && cp "$STAGE/$f" "$OUT/"
 done
-# the TE check's verdict: into summary.txt, kernels.json and kernels.md (no 8th file)
-if [ -f "$STAGE/te/te_norm_grad.json" ]; then
-  "$PYTHON" - "$STAGE/te/te_norm_grad.json" "$OUT/kernels.json" >>"$SUMMARY" 2>>"$LOG" <<'PY' \
-    || echo "te_norm_grad: its result could not be folded into kernels.json (device_run.log)" >>"$SUMMARY"
+# the TE checks' verdicts: into summary.txt, kernels.json and kernels.md (no 8th file)
+fold() {  # fold NAME: $STAGE/<step>/NAME.json under key NAME, its .md appended; or say why not
+  local dir=$1 name=$2
+  if [ -f "$STAGE/$dir/$name.json" ]; then
+    "$PYTHON" - "$STAGE/$dir/$name.json" "$OUT/kernels.json" "$name" >>"$SUMMARY" 2>>"$LOG" <<'PY' \
+      || echo "$name: its result could not be folded into kernels.json (device_run.log)" >>"$SUMMARY"
 import json, os, sys
-result, into = sys.argv[1:3]
+result, into, key = sys.argv[1:4]
 report = json.load(open(result))
 merged = json.load(open(into)) if os.path.exists(into) else {}
-merged["te_norm_grad"] = report
+merged[key] = report
 with open(into, "w") as f:
     json.dump(merged, f, indent=1)
-print("te_norm_grad:", report["verdict"])
+print(f"{key}:", report["verdict"])
 PY
-  { [ -s "$OUT/kernels.md" ] && echo; cat "$STAGE/te/te_norm_grad.md"; } >>"$OUT/kernels.md"
-elif [[ " $STEPS " == *" te "* ]]; then
-  echo "te_norm_grad: no result (the te step wrote none; device_run.log)" >>"$SUMMARY"
-fi
+    { [ -s "$OUT/kernels.md" ] && echo; cat "$STAGE/$dir/$name.md"; } >>"$OUT/kernels.md"
+  elif [[ " $STEPS " == *" $dir "* ]]; then
+    echo "$name: no result (the $dir step wrote none; device_run.log)" >>"$SUMMARY"
+  fi
+}
+fold te te_norm_grad
+fold te_lora te_lora
 
 # the machine, once (cheap; after the steps so it never eats into their budgets)
 {
