@@ -1,7 +1,7 @@
 """Transformer Engine's returned *gathered* LayerNorm output: does its gradient reach the input?
 
-Megatron Bridge's default LoRA under sequence parallelism (and regather's gather path on TE, see
-``regather.megatron.dense.te.wants_gathered``) asks ``TELayerNormColumnParallelLinear`` for its
+Megatron Bridge's default LoRA under sequence parallelism (and regather's gather path on TE until
+issue 38) asks ``TELayerNormColumnParallelLinear`` for its
 all-gathered LayerNorm output (``return_layernorm_output_gathered=True``) and feeds it to LoRA-A.
 Whatever LoRA-A sends back into that output must then be added to the input gradient by TE.
 TE v2.17.1's ``_LayerNormLinear.backward`` (``transformer_engine/pytorch/module/layernorm_linear.py``)
