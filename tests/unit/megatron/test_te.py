@@ -376,6 +376,38 @@ def test_recompute_releases_te_copy_and_logs_a_refusal_once(single_rank_group, b
     assert sum("2.19.0 is outside" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("behaviour", BEHAVIOUR_NAMES)
+def test_canonical_lora_releases_te_copy_after_its_last_member(single_rank_group, behaviour):
+    """CanonicalLoRA's q / k / v adapters read one LayerNorm output of one TE base: with recompute
+    each rebuilds it, TE's copy goes after the last of them; the results are those without recompute
+    bit for bit, and LoRA over the frozen base is the three rank-r tensors."""
+    from regather import CanonicalLoRA
+
+    s, b, h, r, e = 64, 2, 32, 4, 4
+    got = {}
+    with te_behaviour(behaviour):
+        for variant in ("frozen", "plain", "rc"):
+            model = Holder(_frozen(te_linear(h, 3 * h, tp_group=single_rank_group, sequence_parallel=False)))
+            if variant != "frozen":
+                torch.manual_seed(3)
+                CanonicalLoRA(target_modules=["linear_q", "linear_k", "linear_v"], dim=r, lora_B_init_method="normal",
+                              recompute_adapter_inputs=variant == "rc")(model)
+            x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(4)).requires_grad_()
+            for _ in range(2):
+                x.grad = None
+                with AllocatedBytes() as a:
+                    y, _ = model(x)
+                y.square().sum().backward()
+            adapters = getattr(model.linear_qkv, "adapter", {})
+            got[variant] = {"alive": a.alive, "y": y.detach(), "dx": x.grad,
+                            "decisions": {k: str(ad.last_decision) for k, ad in dict(adapters).items()}}
+    assert all(d.endswith("input recomputed from the fused LayerNorm of the TE base")
+               for d in got["rc"]["decisions"].values()) and len(got["rc"]["decisions"]) == 3
+    assert torch.equal(got["rc"]["y"], got["plain"]["y"]) and torch.equal(got["rc"]["dx"], got["plain"]["dx"])
+    assert got["plain"]["alive"] - got["frozen"]["alive"] == s * b * h * e + 3 * s * b * r * e
+    assert got["rc"]["alive"] - got["frozen"]["alive"] == 3 * s * b * r * e
+
+
 # ---------------------------------------------------------------- real Transformer Engine (GPU)
 
 
