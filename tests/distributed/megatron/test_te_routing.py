@@ -15,13 +15,15 @@ The same bytes on the tiny megatron GPT built on megatron's TE spec over the mod
 ``linear_qkv``, ``linear_fc1`` and ``linear_fc2``, recompute on): LoRA over the frozen model is its
 rank-r tensors at TP1, TP2 with SP off and TP2 + SP.
 
-Two spawns: the matrix (72 cases of one TE linear) and the GPT (24 models); the real-TE checks are in
+Four spawns, one per TE behaviour for each table (tests.harness.spawn_groups): the matrix (36 cases of one
+TE linear each) and the GPT (12 models each); the real-TE checks are in
 ``tests/unit/megatron/test_te.py`` and ``benchmarks/gpu/te_lora.py``.
 """
 
 import pytest
 import torch
 from tests.harness.numerics import check_rounding, max_rel_err
+from tests.harness.spawn_groups import SpawnGroups, group_by_cost
 from workers_te import (
     GPT_DIM,
     GPT_LAYOUTS,
@@ -48,14 +50,39 @@ CASES = [(b, s, lay, rc) for b in BEHAVIOURS for s in STRATEGIES for lay in LAYO
 FUSED = "input recomputed from the fused LayerNorm of the TE base"
 
 
-@pytest.fixture(scope="module")
-def matrix():
-    return run_ranks(run_matrix, T, timeout=240)
+# Spawns grouped by cost (tests.harness.spawn_groups): one per TE behaviour for each table, run by the
+# first test that asks for one of its (behaviour, layout) items. Measured on 2 shared cores: the
+# matrix ~10-20 s of work per behaviour, the GPT ~25 s (12 tiny GPTs).
+ITEMS = [(b, lay) for b in BEHAVIOURS for lay in LAYOUTS]
+MATRIX_BUDGET = GPT_BUDGET = 3  # items per spawn: the three layouts of one behaviour
+
+
+class Results:
+    """Per rank, the merged results of the spawns that ran ``items`` (each spawn run once)."""
+
+    def __init__(self, fn, budget, timeout):
+        self.spawns = SpawnGroups(fn, T, group_by_cost(dict.fromkeys(ITEMS, 1), budget), timeout=timeout)
+
+    def ranks(self, *items) -> list[dict]:
+        merged: list[dict] = [{} for _ in range(T)]
+        for group in {self.spawns.group_of[item] for item in items}:
+            for rank, res in enumerate(self.spawns.ranks(self.spawns.groups[group][0])):
+                for key, value in res.items():
+                    if isinstance(value, dict) and isinstance(merged[rank].get(key), dict):
+                        merged[rank][key].update(value)
+                    else:
+                        merged[rank].setdefault(key, value)
+        return merged
 
 
 @pytest.fixture(scope="module")
-def gpt():
-    return run_ranks(run_gpt, T, timeout=300)
+def matrix_spawns():
+    return Results(run_matrix, MATRIX_BUDGET, timeout=150)
+
+
+@pytest.fixture(scope="module")
+def gpt_spawns():
+    return Results(run_gpt, GPT_BUDGET, timeout=200)
 
 
 def _ids(case):
@@ -63,8 +90,8 @@ def _ids(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
-def test_against_float64(matrix, case):
-    for rank, res in enumerate(matrix):
+def test_against_float64(matrix_spawns, case):
+    for rank, res in enumerate(matrix_spawns.ranks((case[0], case[2]))):
         r = res["cases"][case]
         assert r["flags_after"] == (False, False)  # restored after the call
         for name in ("out", "dx", "dA", "dB"):
@@ -73,10 +100,10 @@ def test_against_float64(matrix, case):
             check_rounding(got, ref32, ref64, f"rank {rank} {case} {name}")
 
 
-def test_input_gradient_on_te_2_4_at_tp2_sp(matrix):
+def test_input_gradient_on_te_2_4_at_tp2_sp(matrix_spawns):
     """The issue's headline: on TE >= 2.4 every strategy's input gradient at TP2 + SP is right (the
     gather path no longer asks for TE's gathered output), printed for the record."""
-    for rank, res in enumerate(matrix):
+    for rank, res in enumerate(matrix_spawns.ranks(("te>=2.4", "tp2_sp"))):
         for strategy in STRATEGIES:
             r = res["cases"][("te>=2.4", strategy, "tp2_sp", False)]
             err = max_rel_err(r["got"]["dx"], r["refs"]["ref64"]["dx"])
@@ -86,8 +113,8 @@ def test_input_gradient_on_te_2_4_at_tp2_sp(matrix):
 
 @pytest.mark.parametrize("behaviour", BEHAVIOURS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_bit_identical_where_the_gemms_are_the_same(matrix, behaviour, layout):
-    for rank, res in enumerate(matrix):
+def test_bit_identical_where_the_gemms_are_the_same(matrix_spawns, behaviour, layout):
+    for rank, res in enumerate(matrix_spawns.ranks(*[(b, layout) for b in BEHAVIOURS])):
         cases = res["cases"]
         for strategy in STRATEGIES:
             plain, rc = cases[(behaviour, strategy, layout, False)], cases[(behaviour, strategy, layout, True)]
@@ -105,7 +132,7 @@ def test_bit_identical_where_the_gemms_are_the_same(matrix, behaviour, layout):
 @pytest.mark.parametrize("behaviour", BEHAVIOURS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_recompute_adds_only_rank_r_bytes_over_the_frozen_base(matrix, behaviour, strategy, layout):
+def test_recompute_adds_only_rank_r_bytes_over_the_frozen_base(matrix_spawns, behaviour, strategy, layout):
     """Allocator bytes alive after the forward, over the frozen base's. Rebuilt input (every
     strategy at TP1 / SP off, regather and lowrank under SP): LoRA-B's input ``mid [s, b, r]`` alone
     (TE's ``ln_out`` released). Kept (the gather path under SP): its gathered copy and TE's shard
@@ -113,7 +140,7 @@ def test_recompute_adds_only_rank_r_bytes_over_the_frozen_base(matrix, behaviour
     own rows of a replicated LoRA-A) keeps a copy of those rows, ``r/t x h``."""
     e, t = 4, (1 if layout == "tp1" else T)
     mid = S * B * R * e
-    for rank, res in enumerate(matrix):
+    for rank, res in enumerate(matrix_spawns.ranks((behaviour, layout))):
         frozen = res["frozen"][(behaviour, layout)]
         plain = res["cases"][(behaviour, strategy, layout, False)]
         rc = res["cases"][(behaviour, strategy, layout, True)]
@@ -133,9 +160,9 @@ def test_recompute_adds_only_rank_r_bytes_over_the_frozen_base(matrix, behaviour
 
 
 @pytest.mark.parametrize("behaviour", BEHAVIOURS)
-def test_model_drops_the_gathered_output_gradient_from_te_2_4(matrix, behaviour):
+def test_model_drops_the_gathered_output_gradient_from_te_2_4(matrix_spawns, behaviour):
     """The control: TE's gathered returned ln_out (what Bridge's default SP LoRA asks for)."""
-    for res in matrix:
+    for res in matrix_spawns.ranks((behaviour, "tp2_sp")):
         c = res["control"][behaviour]
         assert c["shape"] == (S, B, H)
         err = max_rel_err(c["dx"], c["dx_ref"])
@@ -157,7 +184,7 @@ GPT_CASES = [(b, lay, s) for b in BEHAVIOURS for lay in GPT_LAYOUTS for s in STR
 
 
 @pytest.mark.parametrize("case", GPT_CASES, ids=["-".join(c) for c in GPT_CASES])
-def test_gpt_lora_over_the_frozen_model(gpt, case):
+def test_gpt_lora_over_the_frozen_model(gpt_spawns, case):
     """The tiny GPT on the TE spec (qkv / fc1 are TE's fused LayerNorm linears, fc2 a TE row-parallel
     linear, which keeps no input with a frozen weight), the decoder input requiring grad, recompute
     on: the allocator's bytes after the forward over the frozen model's. Where every input is rebuilt
@@ -170,7 +197,7 @@ def test_gpt_lora_over_the_frozen_model(gpt, case):
     shape, e = gpt_shape(), 4
     column = shape.layers * 2  # qkv, fc1: TE's fused LayerNorm linears
     mid = GPT_SEQ * GPT_MICRO_BATCH * GPT_DIM * e
-    for rank, res in enumerate(gpt):
+    for rank, res in enumerate(gpt_spawns.ranks((behaviour, layout))):
         frozen, got = res[(behaviour, layout, "frozen")], res[(behaviour, layout, strategy)]
         extra = got["alive"] - frozen["alive"]
         rank_r = shape.layers * 3 * mid + (column * GPT_DIM // tp * shape.hidden * e
@@ -192,9 +219,9 @@ def test_gpt_lora_over_the_frozen_model(gpt, case):
 
 
 @pytest.mark.parametrize("layout", GPT_LAYOUTS)
-def test_gpt_losses(gpt, layout):
+def test_gpt_losses(gpt_spawns, layout):
     """The same loss on every TE behaviour; gather and regather bit for bit, lowrank to rounding."""
-    for res in gpt:
+    for res in gpt_spawns.ranks(*[(b, layout) for b in BEHAVIOURS]):
         ref = res[(BEHAVIOURS[0], layout, "gather")]["loss"]
         for behaviour in BEHAVIOURS:
             assert torch.equal(res[(behaviour, layout, "gather")]["loss"], ref)

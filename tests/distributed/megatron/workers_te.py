@@ -163,8 +163,9 @@ def gathered_control(rank, behaviour, group) -> dict:
     return {"shape": tuple(ln_gathered.shape), "dx": x.grad, "dx_ref": local(xr.grad, rank, t, True)}
 
 
-def run_matrix(rank, world) -> dict:
-    """Every case on both behaviours (module doc), the frozen bases' bytes and the gathered control."""
+def run_matrix(rank, world, items) -> dict:
+    """The cases of ``items`` (``(behaviour, layout)`` pairs: every strategy, recompute off / on),
+    their frozen bases' bytes, and with TP2 + SP the behaviour's gathered control."""
     from tests.harness.te_model import BEHAVIOURS, te_behaviour
 
     from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
@@ -172,15 +173,16 @@ def run_matrix(rank, world) -> dict:
     enable_megatron_cpu()
     by_layout = groups(rank)
     out = {"cases": {}, "frozen": {}, "control": {}}
-    for name, behaviour in BEHAVIOURS.items():
+    for name, layout in items:
+        behaviour, group = BEHAVIOURS[name], by_layout[layout]
         with te_behaviour(behaviour):
-            for layout, group in by_layout.items():
-                out["frozen"][(name, layout)] = frozen_alive(rank, behaviour, layout, group)
-                for strategy in STRATEGIES:
-                    for recompute in (False, True):
-                        out["cases"][(name, strategy, layout, recompute)] = run_case(
-                            rank, behaviour, strategy, layout, recompute, group)
-            out["control"][name] = gathered_control(rank, behaviour, by_layout["tp2_sp"])
+            out["frozen"][(name, layout)] = frozen_alive(rank, behaviour, layout, group)
+            for strategy in STRATEGIES:
+                for recompute in (False, True):
+                    out["cases"][(name, strategy, layout, recompute)] = run_case(
+                        rank, behaviour, strategy, layout, recompute, group)
+            if layout == "tp2_sp":
+                out["control"][name] = gathered_control(rank, behaviour, group)
     return out
 
 
@@ -237,9 +239,9 @@ def gpt_step_bytes(model) -> tuple[int, torch.Tensor]:
     return min(alive), loss.detach()
 
 
-def run_gpt(rank, world) -> dict:
-    """The tiny GPT on the TE spec, frozen, and with LoRA (qkv, fc1, fc2; recompute on) per strategy, per
-    layout and behaviour: bytes alive after the forward, losses, decisions."""
+def run_gpt(rank, world, items) -> dict:
+    """The tiny GPT on the TE spec, frozen, and with LoRA (qkv, fc1, fc2; recompute on) per strategy, for
+    each ``(behaviour, layout)`` of ``items``: bytes alive after the forward, losses, decisions."""
     from tests.harness.te_model import BEHAVIOURS, build_te_gpt, te_behaviour
 
     from regather import LoRA, decisions
@@ -247,18 +249,18 @@ def run_gpt(rank, world) -> dict:
 
     enable_megatron_cpu()
     out = {}
-    for name, behaviour in BEHAVIOURS.items():
-        with te_behaviour(behaviour):
-            for layout, (tp, sp) in GPT_LAYOUTS.items():
-                for variant in ("frozen",) + STRATEGIES:
-                    model = build_te_gpt(gpt_shape(), tp, sp)
-                    for p in model.parameters():
-                        p.requires_grad_(False)
-                    if variant != "frozen":
-                        LoRA(target_modules=GPT_TARGETS, dim=GPT_DIM, alpha=2 * GPT_DIM, lora_B_init_method="normal",
-                             sequence_parallel_input_strategy=variant, recompute_adapter_inputs=True)(model)
-                    alive, loss = gpt_step_bytes(model)
-                    out[(name, layout, variant)] = {
-                        "alive": alive, "loss": loss,
-                        "decisions": {} if variant == "frozen" else {p: str(d) for p, d in decisions(model).items()}}
+    for name, layout in items:
+        tp, sp = GPT_LAYOUTS[layout]
+        with te_behaviour(BEHAVIOURS[name]):
+            for variant in ("frozen",) + STRATEGIES:
+                model = build_te_gpt(gpt_shape(), tp, sp)
+                for p in model.parameters():
+                    p.requires_grad_(False)
+                if variant != "frozen":
+                    LoRA(target_modules=GPT_TARGETS, dim=GPT_DIM, alpha=2 * GPT_DIM, lora_B_init_method="normal",
+                         sequence_parallel_input_strategy=variant, recompute_adapter_inputs=True)(model)
+                alive, loss = gpt_step_bytes(model)
+                out[(name, layout, variant)] = {
+                    "alive": alive, "loss": loss,
+                    "decisions": {} if variant == "frozen" else {p: str(d) for p, d in decisions(model).items()}}
     return out
