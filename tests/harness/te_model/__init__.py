@@ -22,7 +22,6 @@ from tests.harness.te_model.behaviour import (
     active,
     behaviour_named,
     clear_tensor_data,
-    install,
     te_behaviour,
 )
 from tests.harness.te_model.modules import TEColumnParallelLinear, TELayerNormColumnParallelLinear, TERowParallelLinear
@@ -40,7 +39,6 @@ __all__ = [
     "behaviour_named",
     "build_te_gpt",
     "clear_tensor_data",
-    "install",
     "te_behaviour",
     "te_config",
     "te_layer_spec",

@@ -75,34 +75,20 @@ def behaviour_named(name: str | Behaviour) -> Behaviour:
         raise ValueError(f"unknown TE behaviour {name!r}; expected one of {sorted(BEHAVIOURS)}") from None
 
 
-def _enter(behaviour: Behaviour):
-    from regather.megatron.dense import te
-
-    saved = te.installed_version
-    _ACTIVE.append(behaviour)
-    te.installed_version = lambda: behaviour.version  # what transformer_engine.__version__ would say
-    return saved
-
-
 @contextlib.contextmanager
 def te_behaviour(behaviour: str | Behaviour):
     """Modules built inside run ``behaviour``; regather reads its version as the installed TE's."""
     from regather.megatron.dense import te
 
     behaviour = behaviour_named(behaviour)
-    saved = _enter(behaviour)
+    saved = te.installed_version
+    _ACTIVE.append(behaviour)
+    te.installed_version = lambda: behaviour.version  # what transformer_engine.__version__ would say
     try:
         yield behaviour
     finally:
         te.installed_version = saved
         _ACTIVE.pop()
-
-
-def install(behaviour: str | Behaviour) -> Behaviour:
-    """:func:`te_behaviour` for the rest of the process (a spawned rank's body)."""
-    behaviour = behaviour_named(behaviour)
-    _enter(behaviour)
-    return behaviour
 
 
 def clear_tensor_data(*tensors) -> None:
