@@ -118,3 +118,29 @@ test-recipes:
 	if [ $$rc -eq 3 ]; then echo "make test-recipes: skipped (no Python 3.12 on this machine)"; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc
 	PYTHONPATH=src $(VENV312)/bin/python -m pytest -q -p no:cacheprovider tests/unit/recipes tests/distributed/recipes
+
+# The torch 2.14 tier (docs/testing.md): the unit tests, the torchtitan tests and the compile tests on
+# torch 2.14.1+cu130 (on CPU) and triton 3.8.0, with the same assertions as on 2.13; the CUDA extension
+# regather._wgrad_ext built for sm_90 against that torch and this machine's CUDA toolkit
+# (.ci/build-ext.sh, into $(EXT214), git-ignored) and checked by tests/unit/ops/test_wgrad_ext_build.py;
+# the Triton kernels compiled for sm_90 by tests/unit/ops/test_wgrad_sm90.py (in tests/unit). The
+# environment: .ci/venv-torch214.sh from requirements-torch214.txt (Python 3.11; regather from src/).
+# Skipped, saying so, without Python 3.11; without a CUDA toolkit the extension's tests skip, unless
+# CUDA_TOOLKIT=required (.ci/run), which makes that a failure.
+VENV214 := .venv-torch214
+EXT214 := build/ext-torch214
+CUDA_TOOLKIT ?= optional
+TIER214_TESTS := tests/unit tests/distributed/torchtitan tests/distributed/hf/test_titan_peft_hf.py \
+	'tests/distributed/tools/test_bench_titan.py::test_ac_and_compile_end_to_end_lora_adds_its_rank_r_tensors_alone[compile]'
+
+.PHONY: test-torch214
+test-torch214:
+	@.ci/venv-torch214.sh $(VENV214); rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "make test-torch214: skipped (no Python 3.11 on this machine)"; exit 0; fi; \
+	[ $$rc -eq 0 ] || exit $$rc; \
+	.ci/build-ext.sh $(VENV214) $(EXT214); rc=$$?; \
+	if [ $$rc -eq 3 ] && [ "$(CUDA_TOOLKIT)" != required ]; then \
+		echo "make test-torch214: regather._wgrad_ext not built: its tests skip"; \
+	elif [ $$rc -ne 0 ]; then exit $$rc; fi; \
+	echo "PYTHONPATH=src REGATHER_EXT_BUILD=$(EXT214) $(VENV214)/bin/python -m pytest -q -n $(JOBS) --dist loadfile $(TIER214_TESTS)"; \
+	PYTHONPATH=src REGATHER_EXT_BUILD=$(EXT214) $(VENV214)/bin/python -m pytest -q -n $(JOBS) --dist loadfile $(TIER214_TESTS)

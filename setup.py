@@ -26,6 +26,47 @@ from setuptools import setup
 _TRUTHY = {"1", "true", "yes", "on"}
 
 
+def _nvidia_wheel_roots() -> list[str]:
+    """The folders of the ``nvidia`` namespace package (the CUDA library wheels torch depends on)."""
+    try:
+        import nvidia
+
+        return list(nvidia.__path__)
+    except ImportError:
+        return []
+
+
+# Headers torch's ATen/cuda headers include (CUDAContextLight.h: cuBLAS, cuBLASLt, cuSPARSE, cuSOLVER)
+# and the extension includes (cublas_v2.h): a toolkit without the CUDA math libraries (nvcc + cudart
+# only, as on a machine that takes those libraries from pip wheels) lacks them.
+_LIBRARY_HEADERS = ("cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
+
+
+def _wheel_include_args(cuda_home: str) -> list[str]:
+    """``-idirafter`` flags for the CUDA wheels' header folders, when the toolkit lacks a header.
+
+    ``-idirafter``: searched after every ``-I`` folder (the toolkit's own ``include`` among them),
+    so a header the toolkit has is always the toolkit's; the wheels fill in only what is missing.
+    """
+    include = os.path.join(cuda_home, "include")
+    missing = [h for h in _LIBRARY_HEADERS if not os.path.exists(os.path.join(include, h))]
+    if not missing:
+        return []
+    dirs = []
+    for root in _nvidia_wheel_roots():
+        for header in missing:  # nvidia/cu13/include (CUDA 13 wheels), nvidia/<library>/include (CUDA 12)
+            for hit in sorted(glob.glob(os.path.join(root, "*", "include", header))):
+                if os.path.dirname(hit) not in dirs:
+                    dirs.append(os.path.dirname(hit))
+    found = {h for h in missing for d in dirs if os.path.exists(os.path.join(d, h))}
+    if len(found) < len(missing):
+        sys.exit(
+            f"REGATHER_BUILD_EXT=1 but {sorted(set(missing) - found)} are neither in {include} "
+            "(CUDA_HOME) nor in the nvidia CUDA wheels: install the CUDA math libraries' headers"
+        )
+    return [f"-idirafter{d}" for d in dirs]
+
+
 def _cublas_link_args(cuda_home: str) -> tuple[list[str], list[str], list[str]]:
     """(library_dirs, libraries, extra_link_args) for libcublas.
 
@@ -37,13 +78,7 @@ def _cublas_link_args(cuda_home: str) -> tuple[list[str], list[str], list[str]]:
         d = os.path.join(cuda_home, sub)
         if os.path.exists(os.path.join(d, "libcublas.so")):
             return [d], ["cublas"], []
-    try:
-        import nvidia  # the CUDA wheels torch depends on
-
-        roots = list(nvidia.__path__)
-    except ImportError:
-        roots = []
-    for root in roots:
+    for root in _nvidia_wheel_roots():
         for pattern in ("cublas/lib/libcublas.so*", "cu*/lib/libcublas.so*"):
             hits = sorted(glob.glob(os.path.join(root, pattern)))
             if hits:
@@ -73,7 +108,7 @@ def _ext_modules() -> tuple[list, dict]:
         sources=["csrc/wgrad_ext.cpp"],
         library_dirs=lib_dirs,
         libraries=libs,
-        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+        extra_compile_args={"cxx": ["-O3", *_wheel_include_args(CUDA_HOME)], "nvcc": ["-O3"]},
         extra_link_args=link_args,
     )
     return [ext], {"build_ext": BuildExtension}

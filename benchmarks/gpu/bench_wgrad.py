@@ -47,6 +47,39 @@ import torch
 EPS32 = torch.finfo(torch.float32).eps
 DEV = "cuda"  # "cpu" with --cpu-dry-run (tiny shapes, Triton interpreter, wall-clock timer)
 
+# What this script launches (tests/unit/ops/test_wgrad_sm90.py compiles every Triton launch of these
+# for sm_90 ahead of time, from the same constants):
+RANKS, HIDDEN, TOKENS = (8, 16, 64), (4096, 8192), (8192, 32768)  # timed shapes (bf16), --ranks/--hidden/--tokens
+# correctness edge cases through the public entry point: (K, M, N, leading dims, note), in EDGE_DTYPES,
+# main_grad a view EDGE_OFFSET elements into a flat buffer (as in Megatron's grad buffer)
+EDGE_CASES = (
+    (1000, 5, 1000, None, "not multiples of any block"),
+    (4096, 64, 4097, (64, 64), "3-D input, odd N"),
+    (3, 16, 256, None, "K smaller than one block"),
+    (50000, 8, 136, None, "long K, narrow N"),
+)
+EDGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+EDGE_OFFSET = 37
+# the Triton config sweep at max(TOKENS): (block_n, block_k, num_warps, num_stages, split_k multiple)
+SWEEP = (
+    (128, 64, 4, 4, 1),
+    (128, 64, 4, 4, 2),
+    (128, 64, 8, 3, 1),
+    (256, 64, 8, 3, 1),
+    (64, 64, 4, 4, 2),
+    (128, 128, 8, 3, 1),
+    (256, 32, 8, 4, 2),
+)
+
+
+def sweep_overrides(K: int, r: int, h: int, candidate: tuple, sms: int) -> dict:
+    """The keyword overrides of ``wgrad_accumulate_triton`` for one SWEEP candidate at one shape."""
+    from regather.ops.wgrad_triton import choose_config
+
+    bn, bk, warps, stages, split_mult = candidate
+    base = choose_config(K, r, h, torch.bfloat16, num_sms=sms, block_n=bn, block_k=bk)
+    return dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=max(1, base.split_k * split_mult))
+
 
 def sync(empty_cache: bool = False) -> None:
     if DEV == "cuda":
@@ -185,21 +218,15 @@ def edge_cases(backends: list[str]) -> list[dict]:
 
     results = []
     g = torch.Generator(device=DEV).manual_seed(1)
-    cases = [
-        # (K, M, N, lead, note)
-        (1000, 5, 1000, None, "not multiples of any block"),
-        (4096, 64, 4097, (64, 64), "3-D input, odd N"),
-        (3, 16, 256, None, "K smaller than one block"),
-        (50000, 8, 136, None, "long K, narrow N"),
-    ]
+    cases = EDGE_CASES
     if DEV != "cuda":  # dry run: the interpreter is slow
         cases = [(K // 40 + 1, M, N // 40 + 3, None, note) for K, M, N, _, note in cases]
-    for (K, M, N, lead, note), dtype in itertools.product(cases, (torch.float32, torch.float16, torch.bfloat16)):
+    for (K, M, N, lead, note), dtype in itertools.product(cases, EDGE_DTYPES):
         go = torch.randn(K, M, device=DEV, generator=g).to(dtype)
         x = torch.randn(K, N, device=DEV, generator=g).to(dtype)
         # main_grad as a view into a larger flat buffer (Megatron's grad buffer)
-        buf = torch.randn(M * N + 37, device=DEV, generator=g)
-        mg0 = buf[37:].view(M, N).clone()
+        buf = torch.randn(M * N + EDGE_OFFSET, device=DEV, generator=g)
+        mg0 = buf[EDGE_OFFSET:].view(M, N).clone()
         ref = mg0.double() + 2 * (go.double().t() @ x.double())
         base = mg0.clone()
         wgrad_accumulate_torch(base, go, x, chunk_rows=1024)
@@ -210,7 +237,7 @@ def edge_cases(backends: list[str]) -> list[dict]:
         g3, x3 = (go.reshape(*lead, M), x.reshape(*lead, N)) if lead else (go, x)
         for backend in backends:
             buf2 = torch.zeros_like(buf)
-            mg = buf2[37:].view(M, N)
+            mg = buf2[EDGE_OFFSET:].view(M, N)
             mg.copy_(mg0)
             row = {"K": K, "M": M, "N": N, "dtype": str(dtype).split(".")[-1], "backend": backend, "note": note}
             try:
@@ -218,7 +245,7 @@ def edge_cases(backends: list[str]) -> list[dict]:
                 wgrad_accumulate_(mg, g3, x3, backend=backend)
                 sync()
                 err = (mg.double() - ref).abs().max().item()
-                untouched = torch.equal(buf2[:37], torch.zeros_like(buf2[:37]))
+                untouched = torch.equal(buf2[:EDGE_OFFSET], torch.zeros_like(buf2[:EDGE_OFFSET]))
                 row.update(err=err, bound=bound, ok=bool(err <= bound and untouched), outside_untouched=untouched)
             except Exception as exc:
                 row.update(ok=False, error=repr(exc))
@@ -267,9 +294,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--command", default=" ".join(sys.argv))
     ap.add_argument("--ext-build", default="not attempted")
-    ap.add_argument("--ranks", default="8,16,64")
-    ap.add_argument("--hidden", default="4096,8192")
-    ap.add_argument("--tokens", default="8192,32768")
+    ap.add_argument("--ranks", default=",".join(map(str, RANKS)))
+    ap.add_argument("--hidden", default=",".join(map(str, HIDDEN)))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sweep-seconds", type=float, default=120.0, help="time budget for the Triton config sweep")
@@ -374,18 +401,6 @@ def main() -> int:
 
     # small Triton config sweep, time-boxed (guides the heuristic in choose_config)
     sweep_deadline = min(time.time() + args.sweep_seconds, t_start + args.budget_seconds - 20)
-    candidates = [
-        dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, split_mult=sm_)
-        for bn, bk, w, st, sm_ in [
-            (128, 64, 4, 4, 1),
-            (128, 64, 4, 4, 2),
-            (128, 64, 8, 3, 1),
-            (256, 64, 8, 3, 1),
-            (64, 64, 4, 4, 2),
-            (128, 128, 8, 3, 1),
-            (256, 32, 8, 4, 2),
-        ]
-    ]
     for r, h, K in itertools.product(ranks, hiddens, [max(tokens)]):
         if time.time() > sweep_deadline:
             result["sweep_truncated"] = True
@@ -393,15 +408,11 @@ def main() -> int:
         go = torch.randn(K, r, device=DEV, generator=g).bfloat16()
         x = torch.randn(K, h, device=DEV, generator=g).bfloat16()
         mg = torch.zeros(r, h, device=DEV)
-        for c in candidates:
+        for c in SWEEP:
             if time.time() > sweep_deadline:
                 result["sweep_truncated"] = True
                 break
-            base_cfg = choose_config(K, r, h, torch.bfloat16, num_sms=sms, block_n=c["block_n"], block_k=c["block_k"])
-            split = max(1, base_cfg.split_k * c["split_mult"])
-            kw = dict(
-                block_n=c["block_n"], block_k=c["block_k"], num_warps=c["num_warps"], num_stages=c["num_stages"], split_k=split
-            )
+            kw = sweep_overrides(K, r, h, c, sms)
             entry = {"r": r, "h": h, "K": K, **kw}
             try:
                 entry.update(time_cuda(lambda kw=kw, mg=mg, go=go, x=x: wgrad_accumulate_triton(mg, go, x, **kw), 3, 15))

@@ -22,8 +22,8 @@ HARNESS = ROOT / "tests" / "harness"
 PACKAGES = ("regather", "tests.harness")
 MAX_LINES = 500
 FRAMEWORKS = ("megatron", "transformer_engine", "torchtitan", "transformers", "peft")
-#: what the core's tests may import beside the core: modules that import torch only
-LIGHT = ("regather.tools.cpu.dist", "tests.harness.numerics")
+#: what the core's tests may import beside the core: modules that import torch (and triton) only
+LIGHT = ("regather.tools.cpu.dist", "tests.harness.numerics", "tests.harness.triton_aot")
 
 
 def _module_name(path: Path) -> str:

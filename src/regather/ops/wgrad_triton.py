@@ -70,7 +70,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["WgradConfig", "choose_config", "wgrad_accumulate_ref", "wgrad_accumulate_triton"]
+__all__ = [
+    "Launch",
+    "WgradConfig",
+    "choose_config",
+    "jit_kernels",
+    "plan_launches",
+    "wgrad_accumulate_ref",
+    "wgrad_accumulate_triton",
+]
 
 
 def wgrad_accumulate_ref(main_grad: torch.Tensor, grad_output: torch.Tensor, input: torch.Tensor) -> None:
@@ -153,8 +161,8 @@ def choose_config(
 
 
 # --------------------------------------------------------------------------
-# Kernels (plain functions; wrapped with triton.jit lazily in _kernels()).
-# `tl` is bound in this module's globals by _kernels() before the first wrap;
+# Kernels (plain functions; wrapped with triton.jit lazily in jit_kernels()).
+# `tl` is bound in this module's globals by jit_kernels() before the first wrap;
 # the `tl.constexpr` annotations are strings until then (PEP 563).
 # --------------------------------------------------------------------------
 
@@ -263,25 +271,30 @@ def _splitk_reduce_kernel(
     tl.store(o_ptrs, old + acc, mask=mask)
 
 
-_JITTED: dict[bool, tuple[Any, Any]] = {}
+_KERNELS = {"wgrad_splitk": _wgrad_splitk_kernel, "splitk_reduce": _splitk_reduce_kernel}
+_JITTED: dict[bool, dict[str, Any]] = {}
 
 
-def _kernels(interpret: bool) -> tuple[Any, Any]:
-    """The two kernels, JIT-wrapped for the current mode (cached per mode)."""
-    if interpret not in _JITTED:
-        import triton
-        import triton.language as _tl
+def jit_kernels(interpret: bool, *, cached: bool = True) -> dict[str, Any]:
+    """The kernels by name, ``triton.jit``-wrapped for the interpreter or for a GPU.
 
-        global tl  # the kernels resolve `tl` from this module's globals
-        tl = _tl
-        # PEP 563 keeps annotations as strings; the interpreter recognises
-        # constexpr parameters only by the real type, so substitute it.
-        for fn in (_wgrad_splitk_kernel, _splitk_reduce_kernel):
-            fn.__annotations__ = {
-                k: (_tl.constexpr if v == "tl.constexpr" else v) for k, v in fn.__annotations__.items()
-            }
-        _JITTED[interpret] = (triton.jit(_wgrad_splitk_kernel), triton.jit(_splitk_reduce_kernel))
-    return _JITTED[interpret]
+    Cached per mode; ``cached=False`` wraps them afresh (a wrapper keeps a compiled kernel per
+    device and target: an ahead-of-time compile for another target must not share it)."""
+    if cached and interpret in _JITTED:
+        return _JITTED[interpret]
+    import triton
+    import triton.language as _tl
+
+    global tl  # the kernels resolve `tl` from this module's globals
+    tl = _tl
+    # PEP 563 keeps annotations as strings; the interpreter recognises
+    # constexpr parameters only by the real type, so substitute it.
+    for fn in _KERNELS.values():
+        fn.__annotations__ = {k: (_tl.constexpr if v == "tl.constexpr" else v) for k, v in fn.__annotations__.items()}
+    jitted = {name: triton.jit(fn) for name, fn in _KERNELS.items()}
+    if cached:
+        _JITTED[interpret] = jitted
+    return jitted
 
 
 def _interpreting() -> bool:
@@ -294,6 +307,52 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # interpreter: only the shape of the grid matters
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: ``jit_kernels(...)[kernel][grid](*args, **meta)``."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    args: tuple
+    meta: dict  # the constexpr arguments and the launch options (num_warps, num_stages)
+
+
+def plan_launches(
+    main_grad: torch.Tensor, grad_output: torch.Tensor, input: torch.Tensor, config: WgradConfig, *, interpret: bool
+) -> list[Launch]:
+    """The launches ``wgrad_accumulate_triton`` makes for these tensors and this configuration.
+
+    Allocates the split-K workspace on ``main_grad``'s device (meta tensors work: what a launch
+    compiles depends on the dtypes, the pointers' alignment and the integers' divisibility only).
+    """
+    K, M = grad_output.shape
+    N = input.shape[1]
+    if K == 0 or M == 0 or N == 0:
+        return []
+    upcast = interpret or input.dtype == torch.float32
+    precision = "ieee" if input.dtype == torch.float32 else "tf32"
+    tiles = triton_cdiv(M, config.block_m) * triton_cdiv(N, config.block_n)
+    split = config.split_k
+    if split == 1:
+        out, stride_os = main_grad, 0
+    else:
+        out = torch.empty((split, M, N), dtype=torch.float32, device=main_grad.device)
+        stride_os = out.stride(0)
+    args = (grad_output, input, out, K, M, N, grad_output.stride(0), grad_output.stride(1), input.stride(0),
+            input.stride(1), stride_os, out.stride(-2), out.stride(-1))
+    meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, K_ITERS=config.k_iters,
+                ACCUMULATE=split == 1, UPCAST=upcast, DOT_PRECISION=precision,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+    launches = [Launch("wgrad_splitk", (tiles, split), args, meta)]
+    if split > 1:
+        block = 1024
+        launches.append(Launch(
+            "splitk_reduce", (triton_cdiv(M * N, block),),
+            (out, main_grad, M, N, main_grad.stride(0), main_grad.stride(1)),
+            dict(SPLIT_K=split, BLOCK=block, num_warps=4)))
+    return launches
 
 
 def wgrad_accumulate_triton(
@@ -315,50 +374,14 @@ def wgrad_accumulate_triton(
     N = input.shape[1]
     if config is None:
         config = choose_config(K, M, N, input.dtype, num_sms=_num_sms(input.device), **overrides)
-    if K == 0 or M == 0 or N == 0:
-        return config
     interpret = _interpreting()
-    splitk_kernel, reduce_kernel = _kernels(interpret)
-    upcast = interpret or input.dtype == torch.float32
-    precision = "ieee" if input.dtype == torch.float32 else "tf32"
-
-    tiles = triton_cdiv(M, config.block_m) * triton_cdiv(N, config.block_n)
-    split = config.split_k
-    if split == 1:
-        out, stride_os = main_grad, 0
-    else:
-        out = torch.empty((split, M, N), dtype=torch.float32, device=main_grad.device)
-        stride_os = out.stride(0)
-    common = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    launches = plan_launches(main_grad, grad_output, input, config, interpret=interpret)
+    if not launches:
+        return config
+    kernels = jit_kernels(interpret)
     with _device_guard(main_grad.device):
-        splitk_kernel[(tiles, split)](
-            grad_output,
-            input,
-            out,
-            K,
-            M,
-            N,
-            grad_output.stride(0),
-            grad_output.stride(1),
-            input.stride(0),
-            input.stride(1),
-            stride_os,
-            out.stride(-2),
-            out.stride(-1),
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
-            K_ITERS=config.k_iters,
-            ACCUMULATE=split == 1,
-            UPCAST=upcast,
-            DOT_PRECISION=precision,
-            **common,
-        )
-        if split > 1:
-            block = 1024
-            reduce_kernel[(triton_cdiv(M * N, block),)](
-                out, main_grad, M, N, main_grad.stride(0), main_grad.stride(1), SPLIT_K=split, BLOCK=block, num_warps=4
-            )
+        for launch in launches:
+            kernels[launch.kernel][launch.grid](*launch.args, **launch.meta)
     return config
 
 
