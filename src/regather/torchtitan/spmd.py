@@ -60,7 +60,7 @@ def tp_group():
     return mesh.get_group(TP)
 
 
-def _tp_type(layout):
+def tp_type(layout):
     """The per-axis ``spmd_types`` type of an ``SpmdLayout`` on ``tp`` (None: not declared)."""
     if layout is None:
         return None
@@ -70,7 +70,7 @@ def _tp_type(layout):
 def weight_type(module):
     """The ``tp`` type of ``module``'s declared weight layout, or None."""
     config = compat.sharding_config(module)
-    return _tp_type(config.state_shardings.get("weight")) if config is not None else None
+    return tp_type(config.state_shardings.get("weight")) if config is not None else None
 
 
 def _shard_dim(t) -> int | None:
@@ -103,8 +103,8 @@ def sequence_gather(module, name: str, before, after) -> tuple[int, object] | No
     config = compat.sharding_config(module)
     if config is None or not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
         return None
-    src = _tp_type((config.in_src_shardings or {}).get(name))
-    dst = _tp_type((config.in_dst_shardings or {}).get(name))
+    src = tp_type((config.in_src_shardings or {}).get(name))
+    dst = tp_type((config.in_dst_shardings or {}).get(name))
     dim = _shard_dim(src)
     if dim is None or dst is not spmd.R or before is after or before.ndim != after.ndim:
         return None

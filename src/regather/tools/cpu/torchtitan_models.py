@@ -47,6 +47,7 @@ from regather.core.allocated import AllocatedBytes
 from regather.tools.cpu.torchtitan_cpu import enable_torchtitan_cpu
 from regather.tools.shapes import ModelShape
 from regather.torchtitan import reasons
+from regather.torchtitan.compat import sharding_config as compat_sharding_config
 
 #: what a torchtitan run imports: torchtitan and the two packages it imports that its pins bring
 NEEDED = ("torchtitan", "spmd_types", "tyro")
@@ -98,6 +99,7 @@ def converter(fields: dict | None, **kw):
 #: torchtitan 0.3.0's SPMD backends (``parallelism.spmd_backend``; its default is ``spmd_types``)
 BACKENDS = ("partial_dtensor", "spmd_types", "full_dtensor")
 _context = {"train": contextlib.nullcontext, "pd": None}
+_built: dict = {}
 
 
 def parallel_dims(tp: int = 2, dp_shard: int = 1, backend: str = "partial_dtensor"):
@@ -111,9 +113,14 @@ def parallel_dims(tp: int = 2, dp_shard: int = 1, backend: str = "partial_dtenso
     from torchtitan.distributed.parallel_dims import ParallelDims
 
     dist_utils.set_spmd_backend(backend)
-    pd = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1,
-                      world_size=dist.get_world_size(), spmd_backend=backend)
-    pd.build_mesh()
+    key = (tp, dp_shard, backend, dist.get_world_size())
+    pd = _built.get(key)
+    if pd is None:  # one per process and layout, as in the trainer: torch 2.14's FSDP2 on spmd_types
+        # refuses a second set of equal meshes ("Expected param's DTensor mesh to be the same mesh
+        # passed to fully_shard"), DTensor reusing the first one's
+        pd = _built[key] = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1,
+                                        world_size=dist.get_world_size(), spmd_backend=backend)
+        pd.build_mesh()
     _context.update(train=dist_utils.get_spmd_context(parallel_dims=pd), pd=pd)
     return pd
 
@@ -253,12 +260,15 @@ def build(config, pd, parallelize=None, dtype=torch.float32, keep_frozen: bool =
         else:
             model = parallelize(model)
         model.to_empty(device="cpu")
-        with torch.no_grad():
+        # in the trainer's context: without FSDP, spmd_types' weights are plain shards whose init
+        # reads the current SPMD mesh (FSDP2 makes them DTensors; the trainer always applies it)
+        with torch.no_grad(), train_context():
             model.init_weights(buffer_device=None)
     finally:
         torch.set_default_dtype(default)
     model.train()
-    set_params(model)
+    with train_context():
+        set_params(model)
     return model
 
 
@@ -271,14 +281,38 @@ def value_for(name: str, shape) -> torch.Tensor:
     return t if "tok_embeddings" in name else 0.05 * t
 
 
+def _spmd_shard(model, name: str, local: torch.Tensor):
+    """``(full shape, this rank's block of it)`` of a plain parameter that spmd_types shards on
+    ``tp`` (its module's declared layout: ``S(d)``), or None."""
+    from regather.torchtitan import spmd
+
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    group = spmd.tp_group() if spmd.declares(module) else None
+    config = compat_sharding_config(module)
+    layout = config.state_shardings.get(attr) if config is not None else None
+    kind = spmd.tp_type(layout) if layout is not None else None
+    if group is None or not hasattr(kind, "dim"):
+        return None
+    dim, world = kind.dim % local.ndim, group.size()
+    shape = list(local.shape)
+    shape[dim] *= world
+    return tuple(shape), lambda full: full.chunk(world, dim=dim)[dist.get_rank(group)]
+
+
 @torch.no_grad()
 def set_params(model) -> None:
     for name, p in model.named_parameters():
-        full = value_for(name, tuple(p.shape)).to(p.dtype)
         if isinstance(p, DTensor):
+            full = value_for(name, tuple(p.shape)).to(p.dtype)
             p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
-        else:
-            p.copy_(full)
+            continue
+        sharded = _spmd_shard(model, name, p)
+        if sharded is None:
+            p.copy_(value_for(name, tuple(p.shape)).to(p.dtype))
+        else:  # spmd_types without FSDP2: this rank's block of the same full tensor
+            shape, block = sharded
+            p.copy_(block(value_for(name, shape).to(p.dtype)))
 
 
 def tokens(shape: TinyLlama3 = DEFAULT, seed: int = 1234):
