@@ -23,5 +23,5 @@ class Plan:
     slot: Any = None  # early re-gather's RegatherSlot, if this forward re-gathers early
     share: Any = None  # a SharedGather with the other adapters on this input (CanonicalLoRA)
     path: Any = None  # the LoRA-A path (regather.core.strategies.paths) this forward runs
-    layout: str | None = None  # the front end's layout tag (torchtitan: column / row)
+    layout: Any = None  # the front end's layout (torchtitan: its layout.Layout, column or row)
     gathered: Any = None  # the front end's record of the gather its input came from (torchtitan)

@@ -32,10 +32,20 @@ branch runs unseen by the op policy (:func:`.compat.unseen_by_selective_checkpoi
 frozen model's cached matmuls stay what they were and LoRA's are recomputed.
 
 The column paths are :mod:`regather.core.strategies` Functions on plain local tensors; the
-adapter drops to them with ``to_local(grad_placements=...)`` and returns ``DTensor.from_local(...,
-grad_placements=...)`` with the placements torchtitan's own column ``lora_a`` produces and
-receives (output ``Replicate``, its gradient and ``dA`` ``Partial``), so no reduction moves.
-LoRA-B, the scale and the add are torchtitan's DTensor ops.
+adapter enters and leaves them through its backend's boundary (:mod:`.tp`: on DTensors
+``to_local(grad_placements=...)`` / ``DTensor.from_local(..., grad_placements=...)`` with the
+placements torchtitan's own column ``lora_a`` produces and receives — output ``Replicate``, its
+gradient and ``dA`` ``Partial`` —; under ``spmd_types`` the plain tensors themselves), so no
+reduction moves. LoRA-B, the scale and the add are torchtitan's ops.
+
+**One forward, planned then executed** (as the Megatron adapter): :meth:`LoRAAdapter.plan` decides
+from what is known without the input — the moment, the layout (:func:`.layout.layout_of`: DTensor
+placements or the ``spmd_types`` configs), the strategy, the gather site —;
+:meth:`LoRAAdapter.with_input` completes the plan with what only the input tells — the gather it
+came from (:meth:`.pairing.GatherSite.find`, whatever the backend) and, with
+``recompute_adapter_inputs``, its producer (:mod:`.producers`) —; the forward then runs the plan
+and decides nothing. A backend is one more way for the layout and the site to answer, not another
+branch through the forward.
 
 **Where lowrank's partial dA is reduced.** ``dA = dmid_localᵀ x_shard`` sums over this rank's
 sequence rows only: it is returned as a ``Partial`` gradient — the placement torchtitan's own
@@ -49,7 +59,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from regather.core import accounting, fallback_log
 from regather.core.buffers import default_pool
@@ -62,26 +72,13 @@ from regather.core.strategies.paths import PathArgs, lookup
 from regather.core.strategies.regather import RegatherSlot
 from regather.core.strategies.shared_gather import SharedGather
 from regather.torchtitan import compat, reasons
-from regather.torchtitan.layout import COLUMN, ROW, base_layout, data_of
+from regather.torchtitan.layout import COLUMN, ROW, data_of, layout_of
 from regather.torchtitan.options import Options
 from regather.torchtitan.pairing import Gathered
 from regather.torchtitan.producers import SWIGLU, already_saved_by
 from regather.torchtitan.rebuilt import rebuilt_row_lora_a
 from regather.torchtitan.runstate import moment_reason, saves_for_backward
 from regather.torchtitan.traced import traced_decision, traced_lora_a
-
-
-def _partial_grad(mesh):
-    def as_grad(grad: torch.Tensor) -> DTensor:
-        return DTensor.from_local(grad, mesh, [Partial()], run_check=False, shape=grad.shape, stride=grad.stride())
-
-    return as_grad
-
-
-def _wrap(local: torch.Tensor, mesh, placement, grad_placement) -> DTensor:
-    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=local.shape, stride=local.stride(),
-                              grad_placements=[grad_placement])
-
 
 #: what a gather adapter without recompute_adapter_inputs decides in every forward
 GATHER_ONLY = Decision(Strategy.GATHER, Strategy.GATHER, None)
@@ -108,15 +105,18 @@ class LoRAAdapter:
         self._slot = None
         self.traced = False  # set by a traced forward (regather.torchtitan.traced)
         self.traced_input_reason = None  # why a traced forward found its input unfit for regather
+        self.checkpointed = False  # an activation-checkpoint wrapper holds it (regather.torchtitan.model)
         self.ticket = None  # its input's rebuild under torch.compile (set when attached, with recompute)
 
     # -- decisions -------------------------------------------------------------------------
     def wants_anchor(self) -> bool:
         """This forward will regather early if it can (asked by the gather site; never traced:
         the anchor and the shared gather are eager bookkeeping, :mod:`.traced`)."""
-        return (self.options.strategy == Strategy.REGATHER and self.options.early_regather
-                and not torch.compiler.is_compiling()
-                and saves_for_backward(self) and base_layout(self.weight, self.lora_a.weight)[0] == COLUMN)
+        if not (self.options.strategy == Strategy.REGATHER and self.options.early_regather
+                and not torch.compiler.is_compiling() and saves_for_backward(self)):
+            return False
+        layout, _ = layout_of(self)
+        return layout is not None and layout.kind == COLUMN
 
     def decide(self) -> Decision:
         """What this adapter would do if called now, as far as is known without its input (its
@@ -124,39 +124,51 @@ class LoRAAdapter:
         once it ran traced (``torch.compile``), what its traced forward runs."""
         if self.traced:
             return traced_decision(self, self.training, True)
-        return self._plan(None).decision
+        return self.plan().decision
 
-    def _plan(self, x: torch.Tensor | None) -> Plan:
+    def _gather_plan(self, reason=None, layout=None, recompute_reason=None) -> Plan:
+        """torchtitan's own LoRA-A, with why (``reason``) and why the input is kept."""
         asked = self.options.strategy
-        fallback = None if asked == Strategy.GATHER else asked
+        decision = Decision(asked, Strategy.GATHER, reason if asked != Strategy.GATHER else None)
+        if self.options.recompute_adapter_inputs and recompute_reason is not None:
+            decision = replace(decision, recompute_reason=recompute_reason)
+        return Plan(decision, layout=layout)
 
-        def gather(reason=None, layout=None, recompute_reason=None) -> Plan:
-            decision = Decision(asked, Strategy.GATHER, reason if fallback else None)
-            if self.options.recompute_adapter_inputs and recompute_reason is not None:
-                decision = replace(decision, recompute_reason=recompute_reason)
-            return Plan(decision, layout=layout)
-
+    def plan(self) -> Plan:
+        """This forward's plan from what is known without its input: the moment, the layout, the
+        strategy and the gather site. A column plan that may regather is completed by
+        :meth:`with_input` (its gather and producers); a row plan asks its producer there."""
+        asked = self.options.strategy
         why = moment_reason(self, self.lora_a.weight)
         if why is not None:  # nothing is saved in eval / no_grad: no recompute to speak of
-            return gather(why, recompute_reason=why if saves_for_backward(self) else None)
-        layout, why = base_layout(self.weight, self.lora_a.weight)
+            return self._gather_plan(why, recompute_reason=why if saves_for_backward(self) else None)
+        layout, why = layout_of(self)
         if layout is None:
-            return gather(why, recompute_reason=why)
-        if layout == ROW:
-            plan = gather(reasons.ROW, ROW)
-            if self.options.recompute_adapter_inputs and x is not None:
+            return self._gather_plan(why, recompute_reason=why)
+        if layout.kind == ROW:
+            return self._gather_plan(reasons.ROW, layout)
+        if asked == Strategy.GATHER:
+            return self._gather_plan(layout=layout, recompute_reason=reasons.GATHER_KEEPS)
+        if self.site is None:
+            return self._gather_plan(reasons.NO_GATHER_SITE, layout, reasons.GATHER_KEEPS)
+        return Plan(Decision(asked, asked, None), layout=layout)
+
+    def with_input(self, plan: Plan, x: torch.Tensor) -> Plan:
+        """``plan`` completed with what only the input ``x`` tells: the gather it came from (a
+        column plan that regathers or goes low-rank: else torchtitan's path with the reason) and,
+        with ``recompute_adapter_inputs``, where its saved input comes from."""
+        layout, used = plan.layout, plan.decision.used
+        if layout is None:
+            return plan
+        if layout.kind == ROW:
+            if self.options.recompute_adapter_inputs:
                 self._recompute_row(plan, x)
             return plan
-        if fallback is None:
-            return gather(layout=COLUMN, recompute_reason=reasons.GATHER_KEEPS)
-        if self.site is None:
-            return gather(reasons.NO_GATHER_SITE, COLUMN, reasons.GATHER_KEEPS)
-        plan = Plan(Decision(asked, asked, None), layout=COLUMN)
-        if x is None:  # what it would do: pairing and producers are checked by each forward
+        if used == Strategy.GATHER:
             return plan
         plan.gathered, why = self.site.find(x)
         if why is not None:
-            return gather(why, COLUMN, reasons.GATHER_KEEPS)
+            return self._gather_plan(why, layout, reasons.GATHER_KEEPS)
         if self.options.recompute_adapter_inputs:
             self._recompute_shard(plan, plan.gathered.shard)
         return plan
@@ -214,53 +226,54 @@ class LoRAAdapter:
     def _lora_a(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return traced_lora_a(self, x)
+        label = f"{accounting.ADAPTER_INPUT}:{self.log_name.rsplit('.', 1)[-1]}"
         if self.options.strategy is Strategy.GATHER and not self.options.recompute_adapter_inputs:
             # the gather path decides nothing: the same decision in every moment and layout
             self.last_decision = GATHER_ONLY
-            with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.log_name.rsplit('.', 1)[-1]}"):
+            with accounting.label(label):
                 return self.lora_a(x)
-        plan = self._plan(x)
+        plan = self.with_input(self.plan(), x)
         self.last_decision = plan.decision
         self._log(plan.decision)
-        used = plan.decision.used
-        with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.log_name.rsplit('.', 1)[-1]}"):
-            if plan.layout == COLUMN and used != Strategy.GATHER:
-                return self._column(x, plan)
-            if plan.layout == ROW and not isinstance(plan.source, Kept):
-                return self._row(x, plan)
-            return self.lora_a(x)  # torchtitan's own LoRA-A, bit for bit
+        with accounting.label(label):
+            return self._execute(x, plan)
 
-    def _column(self, x: DTensor, plan: Plan) -> DTensor:
-        weight, gathered = self.lora_a.weight, plan.gathered
-        mesh, dim = weight.device_mesh, gathered.dim
-        group = mesh.get_group()
-        a_local = weight.to_local(grad_placements=[Partial()])
+    def _execute(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """Run ``plan`` (nothing is decided here)."""
+        kind = plan.layout.kind if plan.layout is not None else None
+        if kind == COLUMN and plan.decision.used != Strategy.GATHER:
+            return self._column(x, plan)
+        if kind == ROW and not isinstance(plan.source, Kept):
+            return rebuilt_row_lora_a(x, self.lora_a.weight, plan.source)
+        return self.lora_a(x)  # torchtitan's own LoRA-A, bit for bit
+
+    def _column(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
+        gathered, dim = plan.gathered, plan.gathered.dim
+        tp = plan.layout.tp(x, gathered.group)
+        a_local = tp.weight(self.lora_a.weight, Partial())  # dA sums this rank's rows: TP-partial
         lowrank = plan.decision.used == Strategy.LOWRANK
-        slot = None if lowrank else self._early_slot(gathered, group)
-        args = PathArgs(group=group, fuse=False, pool=default_pool(), slot=slot, source=plan.source,
-                        x_full=None if lowrank else x.to_local(grad_placements=[Partial()]),
-                        reduce_dA=False, seq_dim=dim)
+        slot = None if lowrank else self._early_slot(gathered, tp)
+        args = PathArgs(group=gathered.group, fuse=False, pool=default_pool(), slot=slot, source=plan.source,
+                        x_full=None if lowrank else tp.activation(x, Partial()), reduce_dA=False, seq_dim=dim)
         path = lookup(plan.decision.used, column=True, sequence_parallel=True, shared=not lowrank)
         if lowrank:  # the adapter reads the shard itself: its dX is complete, on the shard's placement
-            shard = gathered.shard.to_local(grad_placements=[Shard(dim)])
+            shard = tp.activation(gathered.shard, Shard(dim))
         else:
             shard = data_of(gathered.shard)
         mid = path(shard, a_local, args)
-        return _wrap(mid, mesh, Replicate(), Partial())
+        return tp.output(mid, Replicate(), Partial())
 
-    def _early_slot(self, gathered: Gathered, group) -> RegatherSlot | None:
+    def _early_slot(self, gathered: Gathered, tp) -> RegatherSlot | None:
         if gathered.anchor is None or self not in gathered.anchored:
             return None
+        group = gathered.group
         if gathered.share is None:
             gathered.share = SharedGather.open(group, default_pool(), gathered.dim)
         gathered.share.join()
         slot = RegatherSlot(group, default_pool(), early=True, defer=True, share=gathered.share, seq_dim=gathered.dim)
-        gathered.anchor.join(gathered.anchored.index(self), slot, _partial_grad(self.lora_a.weight.device_mesh))
+        gathered.anchor.join(gathered.anchored.index(self), slot, tp.weight_grad(Partial()))
         self._slot = slot
         return slot
-
-    def _row(self, x: DTensor, plan: Plan) -> DTensor:
-        return rebuilt_row_lora_a(x, self.lora_a.weight, plan.source)
 
 
 def regather_class(lora_cls: type, base_forward, namespace: dict | None = None) -> type:

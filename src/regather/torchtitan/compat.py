@@ -2,7 +2,8 @@
 was read from. tests/unit/torchtitan/test_titan_compat.py checks each against the pinned versions, so an
 upgrade fails there, naming the attribute, instead of somewhere in a forward.
 
-Read from torchtitan 0.3.0 (:data:`TORCHTITAN_VERSION`) and torch 2.13.0 (:data:`TORCH_VERSION`):
+Read from torchtitan 0.3.0 (:data:`TORCHTITAN_VERSION`) and torch 2.13.0 and 2.14.1
+(:data:`TORCH_VERSIONS`; 0.3.0's release checks pinned torch 2.14):
 
 ============================================ ===================================================
 private name                                 what regather does with it
@@ -21,7 +22,16 @@ private name                                 what regather does with it
                                              forward; regather wraps it per instance to record
                                              the sequence gather (:mod:`.pairing`)
 ``Module._sharding_config``                  the sharding config ``set_*_sharding_config``
-                                             attaches (its ``in_dst_shardings``)
+                                             attaches (its ``in_dst_shardings``; under
+                                             ``spmd_types`` its ``state_shardings`` and
+                                             ``in_src_shardings`` too: :mod:`.spmd`)
+``Module._cache_pos_arg_names``              the names ``_redistribute_inputs`` gives a
+                                             module's positional inputs (the keys of its
+                                             sharding config's input layouts)
+``Module._spmd_distribute_state``            re-registers a sharded state under
+                                             ``spmd_types`` as ``nn.Parameter(tensor)``:
+                                             trainable again in 0.3.0 (torchtitan #4267 fixes
+                                             it after 0.3.0); :mod:`.frozen` undoes it
 ``torch.utils._python_dispatch``             the innermost ``TorchDispatchMode`` and popping it
 ``._get_current_dispatch_mode`` /            for a moment: how the LoRA branch stays out of
 ``._pop_mode_temporarily``                   selective checkpointing's op policy
@@ -29,6 +39,10 @@ private name                                 what regather does with it
 ``torch.utils.checkpoint``'s                 the two modes selective checkpointing runs a block
 ``_CachingTorchDispatchMode`` /              under (first forward / recompute)
 ``_CachedTorchDispatchMode``
+``torch.distributed.algorithms._checkpoint`` the module torchtitan's SelectiveAC / FullAC wrap a
+``.checkpoint_wrapper.CheckpointWrapper``    block in (``ptd_checkpoint_wrapper``): what a
+                                             compiled adapter inside one is told
+                                             (:func:`checkpoint_wrapper_class`)
 ============================================ ===================================================
 """
 
@@ -41,7 +55,7 @@ import torch.utils._python_dispatch as python_dispatch
 import torch.utils.checkpoint as checkpoint
 
 TORCHTITAN_VERSION = "0.3.0"
-TORCH_VERSION = "2.13.0"
+TORCH_VERSIONS = ("2.13.0", "2.14.1")
 
 #: the torchtitan ``LoRAConverter`` method regather's converter overrides
 MAKE_LORA_CONFIG = "_make_lora_config"
@@ -87,6 +101,20 @@ def wrap_input_redistribution(module, wrap) -> None:
 def sharding_config(module):
     """The sharding config torchtitan attached to ``module``, or None."""
     return getattr(module, "_sharding_config", None)
+
+
+def input_names(module, args: tuple, kwargs: dict) -> list[str]:
+    """The names torchtitan's ``_redistribute_inputs`` gives ``args`` (the positional inputs of
+    ``module``'s forward not passed by keyword, in order)."""
+    names = [name for name in module._cache_pos_arg_names() if name not in kwargs]
+    return names[:len(args)]
+
+
+def checkpoint_wrapper_class() -> type:
+    """The module class torchtitan's activation checkpointing wraps each block in."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return CheckpointWrapper
 
 
 def _selective_checkpoint_mode():

@@ -16,9 +16,10 @@ LoRA class — a subclass of torchtitan's own LoRA class for that base
 (:func:`regather.torchtitan.adapter.regather_class`: same ``__init__``, children, init, placements
 and names) carrying the fields — and the root config is wrapped so that ``build()`` attaches the
 adapters (:func:`regather.torchtitan.model.attach`) after torchtitan's build (a "replacement
-root config", which torchtitan's converter protocol allows). Nothing else changes:
-``update_from_config``, ``parallelize``, activation checkpointing, FSDP2 and DCP run as with
-torchtitan's converter.
+root config", which torchtitan's converter protocol allows) and keeps what the converter froze
+frozen through ``parallelize`` on every backend (:mod:`regather.torchtitan.frozen`: torchtitan
+0.3.0's ``spmd_types`` makes it trainable again). Nothing else changes: ``update_from_config``,
+``parallelize``, activation checkpointing, FSDP2 and DCP run as with torchtitan's converter.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torchtitan.components import lora as titan_lora
 from regather.core.strategies import Strategy
 from regather.torchtitan import compat
 from regather.torchtitan.adapter import regather_class
+from regather.torchtitan.frozen import keep_frozen
 from regather.torchtitan.model import attach
 from regather.torchtitan.options import Options, check_lora, options
 
@@ -65,7 +67,7 @@ def _attaching_root(config):
     base = type(config)
     if base not in _root_classes:
         def build(self, **kwargs):
-            return attach(base.build(self, **kwargs))
+            return attach(keep_frozen(base.build(self, **kwargs)))
 
         name = f"Regather{base.__name__}"
         _root_classes[base] = type(name, (base,), {"build": build, "__qualname__": name, "__module__": __name__})

@@ -60,6 +60,27 @@ def _gathering_ancestor(modules: dict, path: str):
     return None
 
 
+def note_checkpoints(model: nn.Module) -> None:
+    """Tell each adapter whether an activation-checkpoint wrapper holds it (torchtitan's SelectiveAC
+    and FullAC wrap blocks after the model is built): a compiled forward cannot see the
+    checkpoint's hooks, so it reads this (:func:`regather.torchtitan.traced.traced_decision`)."""
+    wrapper = compat.checkpoint_wrapper_class()
+    inside = {id(a) for m in model.modules() if isinstance(m, wrapper)
+              for a in m.modules() if isinstance(a, LoRAAdapter)}
+    for a in adapters(model).values():
+        a.checkpointed = id(a) in inside
+
+
+def _note_checkpoints_once(model: nn.Module) -> None:
+    """:func:`note_checkpoints` before the model's first forward (activation checkpointing and
+    compile are applied between build and the first step)."""
+    def first_forward(module, args):
+        note_checkpoints(module)
+        handle.remove()
+
+    handle = model.register_forward_pre_hook(first_forward)
+
+
 def attach(model: nn.Module, by_hand: bool = False) -> nn.Module:
     """Attach every adapter of ``model`` (idempotent): its gather site — the gathering ancestor's
     input redistribution (torchtitan), or the linear's own ``ColwiseParallel`` input hook
@@ -83,4 +104,7 @@ def attach(model: nn.Module, by_hand: bool = False) -> nn.Module:
             adapter.ticket = compiled.ticket(path)  # its input's rebuild under torch.compile
             compiled.install()
     fallback_log.attach(model, found.values())
+    if found and not getattr(model, "_regather_notes_checkpoints", False):
+        model._regather_notes_checkpoints = True
+        _note_checkpoints_once(model)
     return model

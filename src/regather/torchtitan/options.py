@@ -67,8 +67,10 @@ def options(owner: str, *, sequence_parallel_input_regather=False, sequence_para
 
 def check_lora(owner: str, rank, alpha, target_modules) -> None:
     """torchtitan's LoRA fields: a positive integer rank, a real alpha, a list of names or None."""
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        raise ValueError(f"{owner}(rank={rank!r}): rank must be a positive integer")
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise ValueError(f"{owner}(rank={rank!r}): LoRA rank must be a positive integer")
+    if rank <= 0:  # torchtitan's own check and wording (LoRAConverter.__init__)
+        raise ValueError(f"{owner}(rank={rank!r}): LoRA rank must be positive, got {rank}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ValueError(f"{owner}(alpha={alpha!r}): alpha must be a number")
     if target_modules is not None and (isinstance(target_modules, str)

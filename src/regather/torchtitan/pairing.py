@@ -16,8 +16,10 @@ by hand (``apply_lora``)     the linear's ``ColwiseParallel``  :func:`watch_colw
                              linear)                           after it
 ============================ ================================ =================================
 
-A record (:class:`Gathered`) holds the gathered DTensor the base reads, its version, the shard
-and the sequence dim; it lives until the site's module returns. For early re-gather the site puts
+A record (:class:`Gathered`) holds the gathered tensor the base reads, its version, the shard,
+the sequence dim and the group it was gathered on; it lives until the site's module returns.
+What counts as a sequence gather is :func:`.layout.sequence_gather`'s: DTensor placements, or
+under ``spmd_types`` (plain tensors) the site's declared input layouts. For early re-gather the site puts
 one anchor on the gathered tensor for every member adapter that will regather
 (:mod:`regather.core.strategies.shared_anchor`): its backward runs when every reader of the
 gathered input — bases and adapters — produced its gradient, right before the site's
@@ -35,7 +37,7 @@ import torch
 from regather.core.strategies.shared_anchor import AnchorMembers, anchor_shared
 from regather.core.strategies.shared_gather import SharedGather
 from regather.torchtitan import compat, reasons
-from regather.torchtitan.layout import same_view, sequence_gather_dim
+from regather.torchtitan.layout import same_view, sequence_gather
 from regather.torchtitan.runstate import in_checkpoint
 
 
@@ -43,10 +45,11 @@ from regather.torchtitan.runstate import in_checkpoint
 class Gathered:
     """One sequence gather of this forward."""
 
-    full: torch.Tensor            # the gathered DTensor the base reads (anchored when early)
+    full: torch.Tensor            # the gathered tensor the base reads (anchored when early)
     version: int
-    shard: torch.Tensor           # the DTensor it was gathered from
+    shard: torch.Tensor           # the tensor it was gathered from
     dim: int                      # the sequence dim
+    group: object                 # the tensor-parallel process group it was gathered on
     anchored: list = field(default_factory=list)   # the adapters whose dA the anchor computes
     anchor: AnchorMembers | None = None
     share: SharedGather | None = None               # their shared backward gather (opened by the first)
@@ -55,25 +58,28 @@ class Gathered:
 class GatherSite:
     """A place where one sequence gather feeds adapters (``members``, set when attached)."""
 
-    def __init__(self) -> None:
+    def __init__(self, module=None) -> None:
+        self.module = module  # the torchtitan module whose input redistribution gathers (None: by hand)
         self.members: list = []
         self._records: list[Gathered] = []
 
     def clear(self, *_args) -> None:
         self._records = []
 
-    def record(self, before, after):
-        """Record ``after`` if it is ``before`` gathered over the sequence; return the tensor to
-        hand on (``after``, or ``after`` through the early-regather anchor)."""
-        dim = sequence_gather_dim(before, after)
-        if dim is None:
+    def record(self, before, after, name: str | None = None):
+        """Record ``after`` if it is ``before`` (the site's input ``name``) gathered over the
+        sequence; return the tensor to hand on (``after``, or ``after`` through the early-regather
+        anchor)."""
+        found = sequence_gather(self.module, name, before, after)
+        if found is None:
             return after
+        dim, group = found
         early = [m for m in self.members if m.wants_anchor()]
         anchor = None
         if early and torch.is_grad_enabled() and after.requires_grad and not in_checkpoint():
             anchor = AnchorMembers(len(early))
             after = anchor_shared(after, [m.lora_a.weight for m in early], anchor)
-        self._records.append(Gathered(after, after._version, before, dim, early if anchor else [], anchor))
+        self._records.append(Gathered(after, after._version, before, dim, group, early if anchor else [], anchor))
         return after
 
     def find(self, x: torch.Tensor) -> tuple[Gathered | None, str | None]:
@@ -99,15 +105,17 @@ def watch_redistribution(module) -> GatherSite:
     site = getattr(module, "_regather_gather_site", None)
     if site is not None:
         return site
-    site = GatherSite()
+    site = GatherSite(module)
 
     def recording(redistribute):
         def redistribute_inputs(parallel_dims, args, kwargs):
             # torchtitan hands positional inputs back in their order and keyword inputs by name
             site.clear()
             new_args, new_kwargs = redistribute(parallel_dims, args, kwargs)
-            new_args = tuple(site.record(old, new) for old, new in zip(args, new_args)) + tuple(new_args[len(args):])
-            new_kwargs = {name: site.record(kwargs.get(name), value) for name, value in new_kwargs.items()}
+            names = compat.input_names(module, args, kwargs)
+            new_args = tuple(site.record(old, new, name) for old, new, name in zip(args, new_args, names)) \
+                + tuple(new_args[len(names):])
+            new_kwargs = {name: site.record(kwargs.get(name), value, name) for name, value in new_kwargs.items()}
             return new_args, new_kwargs
 
         return redistribute_inputs

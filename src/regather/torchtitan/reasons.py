@@ -24,9 +24,14 @@ SWIGLU_PRODUCT = "the SwiGLU multiply"
 EVAL, NO_GRAD, FROZEN_A = moment.EVAL, moment.NO_GRAD, moment.FROZEN_A
 IN_CHECKPOINT = expected("running inside activation checkpointing (the checkpointed block keeps no adapter input "
                          "anyway)")
-NOT_DTENSOR = ("the base weight is not a DTensor (no PyTorch-native tensor parallelism here, or torchtitan's "
-               "spmd_types backend: regather needs parallelism.spmd_backend='partial_dtensor')")
-MESH_DIMS = "the base weight lives on a {n}-D device mesh (regather reads a 1-D tensor-parallel mesh)"
+NOT_DTENSOR = ("the base weight is not a DTensor and no torchtitan spmd_types sharding config declares its layout "
+               "(no tensor parallelism here)")
+NOT_DECLARED = ("torchtitan's spmd_types sharding config declares no tensor-parallel layout for the base weight or "
+                "LoRA-A (tensor parallelism is off for this linear)")
+MESH_DIMS = ("the base weight lives on a {n}-D device mesh without a dim named 'tp' (regather reads the "
+             "tensor-parallel dim)")
+SHARDED_ELSEWHERE = ("the weights are sharded on a mesh dim other than 'tp' (base weight {base}, LoRA-A {lora_a}): "
+                     "regather reads weights replicated there")
 UNKNOWN_LAYOUT = "unknown tensor-parallel layout: base weight {base}, LoRA-A {lora_a}"
 ROW = expected("row-parallel base: its input is split over hidden, not over the sequence")
 NO_GATHER_SITE = ("no module before this linear gathers its input over the sequence (sequence parallelism "

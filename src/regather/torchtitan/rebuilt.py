@@ -14,8 +14,9 @@ backward    rebuild ``x`` (the multiply again, bit-identical), re-run ``F.linear
             gradient as it arrived
 =========== ============================================================================
 
-The same ops on equal operands as torchtitan's ``lora_a``, in every layout; the price is the
-rank-r GEMM ``x Aᵀ`` once more in backward (``r / out`` of the base GEMM's cost).
+The same ops on equal operands as torchtitan's ``lora_a``, in every layout and on every backend
+(DTensors, or under ``spmd_types`` plain tensors, where the op is the plain ``F.linear``); the
+price is the rank-r GEMM ``x Aᵀ`` once more in backward (``r / out`` of the base GEMM's cost).
 """
 
 from __future__ import annotations
@@ -26,21 +27,24 @@ from torch.distributed.tensor import DTensor
 
 
 class RebuiltRowLinearA(torch.autograd.Function):
-    """``F.linear(x, weight)`` on DTensors, ``x`` saved through ``source`` (see the module doc)."""
+    """``F.linear(x, weight)`` on DTensors or plain tensors, ``x`` saved through ``source`` (see
+    the module doc)."""
 
     @staticmethod
     def forward(ctx, x, weight, source):
-        ctx.save_for_backward(*source.save(x.to_local()))
+        dtensor = isinstance(x, DTensor)
+        ctx.save_for_backward(*source.save(x.to_local() if dtensor else x.detach()))
         ctx.source, ctx.weight = source.handle(), weight  # a parameter: no new bytes
-        ctx.spec = (x.device_mesh, x.placements, x.shape, x.stride())
+        ctx.spec = (x.device_mesh, x.placements, x.shape, x.stride()) if dtensor else None
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad_mid):
-        mesh, placements, shape, stride = ctx.spec
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        local = ctx.source.load(ctx.saved_tensors)
-        x = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        x = ctx.source.load(ctx.saved_tensors)
+        if ctx.spec is not None:
+            mesh, placements, shape, stride = ctx.spec
+            x = DTensor.from_local(x, mesh, placements, run_check=False, shape=shape, stride=stride)
         weight = ctx.weight.detach()
         with torch.enable_grad():
             x.requires_grad_(need_x)
@@ -51,6 +55,6 @@ class RebuiltRowLinearA(torch.autograd.Function):
         return (next(grads) if need_x else None), (next(grads) if need_w else None), None
 
 
-def rebuilt_row_lora_a(x: DTensor, weight: torch.Tensor, source) -> DTensor:
+def rebuilt_row_lora_a(x: torch.Tensor, weight: torch.Tensor, source) -> torch.Tensor:
     """LoRA-A of a row-parallel base on ``x`` (``Shard(-1)``), ``x`` rebuilt by ``source`` in backward."""
     return RebuiltRowLinearA.apply(x, weight, source)

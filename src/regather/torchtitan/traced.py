@@ -32,8 +32,11 @@ No early re-gather and no shared backward gather under compile (an output-gradie
 shared gather and a deferred ``dA`` are eager bookkeeping): where the backward gather runs
 relative to the neighbouring GEMMs is Inductor's choice.
 
-Activation checkpointing under compile is not considered here: torchtitan's own compiled blocks
-fail with it on CPU (docs/torchtitan.md), so it was not run.
+Inside activation checkpointing (torchtitan's SelectiveAC / FullAC wrapper around a compiled
+block) a traced forward cannot see the checkpoint's hooks; the adapter is told it is wrapped
+(:func:`regather.torchtitan.model.note_checkpoints`) and runs torchtitan's own ``lora_a``, as in
+eager: the checkpointed block keeps no adapter input anyway, and a regather path there would
+only add a backward gather to the recomputed forward's.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from regather.core.recompute import compiled
 from regather.core.strategies import Strategy
 from regather.core.strategies.traced import traced_linear_a, traced_lowrank, traced_regather
 from regather.torchtitan import reasons
-from regather.torchtitan.layout import ROW, base_layout
+from regather.torchtitan.layout import ROW, layout_of
 
 
 def _rebuilds(adapter) -> bool:
@@ -81,10 +84,12 @@ def traced_decision(adapter, training: bool, grad_enabled: bool) -> Decision:
         return gather(reasons.NO_GRAD)
     if not adapter.lora_a.weight.requires_grad:
         return gather(reasons.FROZEN_A, reasons.FROZEN_A)
-    layout, why = base_layout(adapter.weight, adapter.lora_a.weight)
+    if adapter.checkpointed:  # as in eager: the checkpointed block keeps no adapter input anyway
+        return gather(reasons.IN_CHECKPOINT, reasons.IN_CHECKPOINT)
+    layout, why = layout_of(adapter)
     if layout is None:
         return gather(why, why)
-    if layout == ROW:
+    if layout.kind == ROW:
         return _with_outcome(gather(reasons.ROW), adapter) if _rebuilds(adapter) else gather(reasons.ROW)
     if asked == Strategy.GATHER:
         return gather(keeps=reasons.GATHER_KEEPS)
@@ -101,35 +106,35 @@ def traced_lora_a(adapter, x: torch.Tensor) -> torch.Tensor:
     weight = adapter.lora_a.weight
     ticket = adapter.ticket if _rebuilds(adapter) else compiled.NO_TICKET
     if decision.used == Strategy.GATHER:
-        if ticket == compiled.NO_TICKET or base_layout(adapter.weight, weight)[0] != ROW:
+        layout = layout_of(adapter)[0]
+        if ticket == compiled.NO_TICKET or layout is None or layout.kind != ROW:
             return adapter.lora_a(x)  # torchtitan's own LoRA-A
-        return _row(x, weight, ticket)
+        return _row(x, weight, layout.tp(x), ticket)
     gathered = adapter.site.find_traced(x) if adapter.site is not None else None
     if gathered is None:
         adapter.traced_input_reason = reasons.NOT_GATHERED_TRACED  # decided again, with the reason
         return adapter.lora_a(x)
-    dim, mesh = gathered.dim, weight.device_mesh
-    world = mesh.size()
+    dim, group = gathered.dim, gathered.group
+    world = group.size()
     if x.shape[dim] % world:
         adapter.traced_input_reason = reasons.INDIVISIBLE_TRACED.format(length=x.shape[dim], world=world)
         return adapter.lora_a(x)
-    a_local = weight.to_local(grad_placements=[Partial()])  # dA sums this rank's rows: TP-partial
+    tp = layout_of(adapter)[0].tp(x, group)
+    a_local = tp.weight(weight, Partial())  # dA sums this rank's rows: TP-partial
     if decision.used == Strategy.LOWRANK:  # the adapter reads the shard itself: its dX is complete, Shard(dim)
-        shard = gathered.shard.to_local(grad_placements=[Shard(dim)])
-        mid = traced_lowrank(shard, a_local, mesh.get_group(), dim, ticket)
+        shard = tp.activation(gathered.shard, Shard(dim))
+        mid = traced_lowrank(shard, a_local, group, dim, ticket)
     else:
-        x_full = x.to_local(grad_placements=[Partial()])  # as the gather path: dX TP-partial
-        mid = traced_regather(x_full, gathered.shard.to_local(), a_local, mesh.get_group(), dim, world, ticket)
-    return DTensor.from_local(mid, mesh, [Replicate()], run_check=False, shape=mid.shape, stride=mid.stride(),
-                              grad_placements=[Partial()])
+        x_full = tp.activation(x, Partial())  # as the gather path: dX TP-partial
+        shard = gathered.shard.to_local() if isinstance(gathered.shard, DTensor) else gathered.shard
+        mid = traced_regather(x_full, shard, a_local, group, dim, world, ticket)
+    return tp.output(mid, Replicate(), Partial())
 
 
-def _row(x: DTensor, weight: DTensor, ticket: int) -> DTensor:
+def _row(x: torch.Tensor, weight: torch.Tensor, tp, ticket: int) -> torch.Tensor:
     """A row-parallel LoRA-A (``x`` ``Shard(-1)``, ``A`` ``Shard(1)``): the local GEMM torchtitan's
-    DTensor op runs, its output ``Partial``; the gradient taken ``Replicate`` (as it arrives under
+    op runs, its output ``Partial``; the gradient taken ``Replicate`` (as it arrives under
     sequence parallelism, the block's output reduce-scattered)."""
-    mesh = weight.device_mesh
-    x_local = x.to_local(grad_placements=[Shard(x.ndim - 1)])
-    mid = traced_linear_a(x_local, weight.to_local(grad_placements=[Shard(1)]), ticket)
-    return DTensor.from_local(mid, mesh, [Partial()], run_check=False, shape=mid.shape, stride=mid.stride(),
-                              grad_placements=[Replicate()])
+    x_local = tp.activation(x, Shard(x.ndim - 1))
+    mid = traced_linear_a(x_local, tp.weight(weight, Shard(1)), ticket)
+    return tp.output(mid, Partial(), Replicate())

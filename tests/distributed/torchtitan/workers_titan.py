@@ -331,3 +331,41 @@ def fsdp_suite(rank, world_size):
         conv = converter(None, target_modules=[]) if name == "frozen" else converter(fields)
         out[name] = measure(H.build(H.model_config(conv), pd, parallelize=parallelize))
     return out
+
+
+# -- frozen stays frozen: which parameters train after parallelize, per backend --------------------
+
+def _trains(model, pd) -> dict:
+    """One step of ``model``: which parameters require grad, which torchtitan's optimizer holds,
+    which got a gradient; the loss and the LoRA gradients."""
+    from regather.tools.cpu.torchtitan_train import optimizers
+
+    opts = optimizers(model, lr=1e-3)
+    loss, _, _ = H.step(model, count=False)
+    return dict(trainable=sorted(n for n, p in model.named_parameters() if p.requires_grad),
+                optimized=sum(len(g["params"]) for opt in opts for g in opt.param_groups),
+                with_grad=sorted(n for n, p in model.named_parameters() if p.grad is not None),
+                loss=loss, grads={n: g for n, g in H.lora_grads(model).items() if "lora_" in n})
+
+
+def frozen_suite(rank, world_size):
+    """torchtitan 0.3.0's LoRA as it is (``keep_frozen=False``), with its #4267 applied, and
+    regather's (recipe) on partial_dtensor and spmd_types through ``Module.parallelize`` (both
+    torch versions), and on spmd_types through parallelize_llama with FSDP2 where torch runs it."""
+    out = {}
+    regather = LLAMA3_RUNS["regather+recompute"]
+    for backend in ("partial_dtensor", "spmd_types"):
+        pd = H.parallel_dims(backend=backend)
+        out[backend] = {
+            "torchtitan-0.3.0": _trains(H.build(H.model_config(converter(None)), pd, keep_frozen=False), pd),
+            "torchtitan-4267": _trains(H.build(H.model_config(converter(None)), pd), pd),
+            "regather": _trains(H.build(H.model_config(converter(regather)), pd, keep_frozen=False), pd),
+        }
+    if not H.fsdp_unsupported("spmd_types"):
+        pd = H.parallel_dims(backend="spmd_types")
+        fsdp = H.parallelize_llama(pd)
+        out["spmd_types+fsdp"] = {
+            "torchtitan-0.3.0": _trains(H.build(H.model_config(converter(None)), pd, fsdp, keep_frozen=False), pd),
+            "regather": _trains(H.build(H.model_config(converter(regather)), pd, fsdp, keep_frozen=False), pd),
+        }
+    return out

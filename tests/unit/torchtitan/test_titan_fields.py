@@ -48,3 +48,29 @@ def test_fields_are_torchtitans_plus_regathers_and_bad_values_fail_before_any_ch
         assert type(model[0]) is torch.nn.Linear and [p.requires_grad for p in model.parameters()] == before
 
 
+
+
+def test_drop_in_validation_as_torchtitans_own():
+    """torchtitan's converter-order check accepts regather's converter where it accepts its own, and
+    refuses it with the same words; a non-positive rank fails with torchtitan's type and sentence."""
+    from regather.tools.cpu.torchtitan_cpu import enable_torchtitan_cpu
+
+    enable_torchtitan_cpu()
+    from torchtitan.components.lora import LoRAConverter as TitanConverter
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+    from torchtitan.models.utils import validate_converter_order
+
+    from regather.torchtitan import LoRAConverter
+
+    fp8 = Float8LinearConverter.Config(emulate=True, model_compile_enabled=False)
+    messages = []
+    for lora in (TitanConverter.Config(rank=8), LoRAConverter.Config(rank=8, sequence_parallel_input_regather=True)):
+        validate_converter_order([fp8, lora])  # torchtitan's llama3_debugmodel_float8_emulate_lora order
+        with pytest.raises(ValueError) as refused:
+            validate_converter_order([lora, fp8])
+        messages.append(str(refused.value))
+    assert messages[0] == messages[1] and "must be applied before LoRAConverter" in messages[0]
+    with pytest.raises(ValueError, match="LoRA rank must be positive, got 0") as titan:
+        TitanConverter(TitanConverter.Config(rank=0))
+    with pytest.raises(type(titan.value), match="LoRA rank must be positive, got 0"):
+        LoRAConverter.Config(rank=0)

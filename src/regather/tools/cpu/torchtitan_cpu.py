@@ -22,8 +22,9 @@ no ``ReduceOp.PREMUL_SUM``, FSDP2's default gradient divide; summing and dividin
 
 Not shims, but what a CPU harness does instead of torchtitan's ``Trainer`` (whose import needs
 torchdata, tensorboard and datasets): call the model's sharding function
-(``set_llama3_sharding_config``) instead of ``update_from_config``, and pick the
-``partial_dtensor`` SPMD backend (``set_spmd_backend``) as the trainer would from its config.
+(``set_llama3_sharding_config``) instead of ``update_from_config``, pick the SPMD backend
+(``set_spmd_backend``), hand the batch over as ``post_dataloading_process`` does and run forward and
+backward in the trainer's ``train_context`` (:mod:`regather.tools.cpu.torchtitan_models`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,19 @@
 """torchtitan 0.3.0 models on CPU ranks, built as its trainer builds them: what
 ``regather bench --torchtitan``, the torchtitan tests and their workers share.
 
-A model is built as the trainer does (its sharding config, the ``partial_dtensor`` SPMD backend,
-build on meta, parallelize, materialize, init), then every parameter gets the same values from its
-name; :func:`step` runs one forward (bytes and collectives counted) and backward.
+A model is built as the trainer does (its sharding config, an SPMD backend — ``partial_dtensor``
+by default; ``spmd_types``, torchtitan's default, and ``full_dtensor`` as asked —, build on meta,
+parallelize, materialize, init), then every parameter gets the same values from its name;
+:func:`step` runs one forward (bytes and collectives counted) and backward inside the trainer's
+``train_context`` (under ``spmd_types`` it sets the current SPMD mesh torchtitan's
+redistributions and its loss read). :func:`parallelize_llama` is the trainer's parallelization
+(TP, then activation checkpointing, compile, FSDP2) for any backend.
+
+Every model is built with torchtitan's #4267 (after 0.3.0) applied from outside
+(:func:`regather.torchtitan.frozen.keep_frozen`): under ``spmd_types`` torchtitan 0.3.0 makes
+every frozen parameter trainable again in ``parallelize``, its own LoRA's base included; the
+baselines are compared with their base frozen, as regather's converter keeps it
+(``build(..., keep_frozen=False)`` shows torchtitan 0.3.0 as it is).
 
 Choices (not shims, :mod:`regather.tools.cpu.torchtitan_cpu` has those): a llama3 model of the
 :class:`TinyLlama3` shape — by default torchtitan's ``debugmodel`` (dim 256, 16 heads, ffn 768,
@@ -37,6 +47,7 @@ from regather.core.allocated import AllocatedBytes
 from regather.tools.cpu.torchtitan_cpu import enable_torchtitan_cpu
 from regather.tools.shapes import ModelShape
 from regather.torchtitan import reasons
+from regather.torchtitan.compat import sharding_config as compat_sharding_config
 
 #: what a torchtitan run imports: torchtitan and the two packages it imports that its pins bring
 NEEDED = ("torchtitan", "spmd_types", "tyro")
@@ -85,18 +96,96 @@ def converter(fields: dict | None, **kw):
     return LoRAConverter.Config(**dict(KW, **kw), **fields)
 
 
-def parallel_dims(tp: int = 2, dp_shard: int = 1):
-    """torchtitan's ParallelDims on the partial_dtensor backend (what the trainer sets from
-    ``parallelism.spmd_backend``), its meshes built."""
+#: torchtitan 0.3.0's SPMD backends (``parallelism.spmd_backend``; its default is ``spmd_types``)
+BACKENDS = ("partial_dtensor", "spmd_types", "full_dtensor")
+_context = {"train": contextlib.nullcontext, "pd": None}
+_built: dict = {}
+
+
+def parallel_dims(tp: int = 2, dp_shard: int = 1, backend: str = "partial_dtensor"):
+    """torchtitan's ParallelDims on ``backend`` (set as the trainer sets it from
+    ``parallelism.spmd_backend``), its meshes built; :func:`train_context` is its trainer's from
+    now on."""
+    if backend not in BACKENDS:
+        raise ValueError(f"parallel_dims(backend={backend!r}): expected one of {', '.join(BACKENDS)}")
     enable_torchtitan_cpu()
     import torchtitan.distributed.utils as dist_utils
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    dist_utils.set_spmd_backend("partial_dtensor")
-    pd = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1,
-                      world_size=dist.get_world_size(), spmd_backend="partial_dtensor")
-    pd.build_mesh()
+    dist_utils.set_spmd_backend(backend)
+    key = (tp, dp_shard, backend, dist.get_world_size())
+    pd = _built.get(key)
+    if pd is None:  # one per process and layout, as in the trainer: torch 2.14's FSDP2 on spmd_types
+        # refuses a second set of equal meshes ("Expected param's DTensor mesh to be the same mesh
+        # passed to fully_shard"), DTensor reusing the first one's
+        pd = _built[key] = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1,
+                                        world_size=dist.get_world_size(), spmd_backend=backend)
+        pd.build_mesh()
+    _context.update(train=dist_utils.get_spmd_context(parallel_dims=pd), pd=pd)
     return pd
+
+
+def train_context():
+    """The trainer's ``train_context`` for the last :func:`parallel_dims` (its forward, loss and
+    backward run in it): the current SPMD mesh under ``spmd_types``, nothing otherwise."""
+    return _context["train"]()
+
+
+def trainer_inputs(inp, labels, pos):
+    """The batch as the trainer hands it to the model for the last :func:`parallel_dims`'s backend
+    (``post_dataloading_process``): DTensors on the dense mesh under ``full_dtensor``, annotated
+    plain tensors under ``spmd_types``, as they are otherwise. Returns ``(inp, labels, positions)``."""
+    pd = _context["pd"]
+    backend = pd.spmd_backend if pd is not None else "partial_dtensor"
+    if backend == "full_dtensor":
+        from torchtitan.distributed.full_dtensor import parallelize_inputs
+
+        inp, labels, extra = parallelize_inputs(pd, inp, labels, {"positions": pos})
+        return inp, labels, extra["positions"]
+    if backend == "spmd_types":
+        from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+        inp, labels, extra = annotate_input_spmd_types(pd, inp, labels, {"positions": pos})
+        return inp, labels, extra["positions"]
+    return inp, labels, pos
+
+
+def fsdp_unsupported(backend: str) -> str | None:
+    """Why torchtitan's FSDP2 cannot run on ``backend`` with this torch, or None."""
+    if backend == "spmd_types" and tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14):
+        return (f"torchtitan 0.3.0's spmd_types with FSDP2 needs torch 2.14 (its release checks pinned 2.14.0): "
+                f"on torch {torch.__version__} fully_shard raises 'When dp_mesh_dims is provided, all parameters "
+                "must be DTensors on the full SPMD mesh', for torchtitan's own LoRA too")
+    return None
+
+
+def parallelize_llama(pd, ac: str = "none", compile_backend: str | None = None):
+    """torchtitan's own ``parallelize_llama`` as the trainer calls it for ``pd``'s backend: TP
+    (``Module.parallelize``), activation checkpointing (``ac``: ``none``, ``selective``, ``full``:
+    its SelectiveAC / FullAC with their default configs), ``apply_compile`` (``compile_backend``:
+    ``inductor`` or ``aot_eager``; None: off), then FSDP2 (always: at dp_shard 1 it installs the
+    mixed-precision policy, and under ``spmd_types`` it reduces the TP-partial gradients of
+    replicated weights). A ``build(parallelize=...)`` callable."""
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from torchtitan.models.llama3.parallelize import parallelize_llama as titan_parallelize
+
+    from regather.tools.cpu.torchtitan_cpu import sum_reduction_for_gloo
+
+    ac_config = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}[ac]
+    compile_config = CompileConfig(enable=compile_backend is not None, backend=compile_backend or "inductor")
+
+    def parallelize(model):
+        parallelism = ParallelismConfig(tensor_parallel_degree=pd.tp, data_parallel_shard_degree=pd.dp_shard,
+                                        spmd_backend=pd.spmd_backend)
+        model = titan_parallelize(model, parallel_dims=pd, training=TrainingConfig(mixed_precision_param="float32"),
+                                  parallelism=parallelism, compile_config=compile_config,
+                                  ac_config=ac_config() if ac_config else None, dump_folder="/tmp")
+        if pd.dp_shard > 1:
+            sum_reduction_for_gloo(model)
+        return model
+
+    return parallelize
 
 
 def llama3_config(shape: TinyLlama3 = DEFAULT):
@@ -152,27 +241,34 @@ def model_config(converter=None, model: str = "llama3", enable_sp: bool = True, 
     return config
 
 
-def build(config, pd, parallelize=None, dtype=torch.float32):
+def build(config, pd, parallelize=None, dtype=torch.float32, keep_frozen: bool = True):
     """Build on meta, parallelize (``Module.parallelize``, or ``parallelize(model)``), materialize
     on CPU, init, then every parameter from its name: the trainer's order. ``dtype``: the
     parameters' (the default dtype while building; ``Module.to(torch.float64)`` would turn the
-    complex rope cache real)."""
+    complex rope cache real). ``keep_frozen``: torchtitan's #4267 applied (the module doc)."""
+    from regather.torchtitan.frozen import keep_frozen as keeping_frozen
+
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             model = config.build()
+        if keep_frozen:
+            keeping_frozen(model)
         if parallelize is None:
             model.parallelize(pd)
         else:
             model = parallelize(model)
         model.to_empty(device="cpu")
-        with torch.no_grad():
+        # in the trainer's context: without FSDP, spmd_types' weights are plain shards whose init
+        # reads the current SPMD mesh (FSDP2 makes them DTensors; the trainer always applies it)
+        with torch.no_grad(), train_context():
             model.init_weights(buffer_device=None)
     finally:
         torch.set_default_dtype(default)
     model.train()
-    set_params(model)
+    with train_context():
+        set_params(model)
     return model
 
 
@@ -185,14 +281,38 @@ def value_for(name: str, shape) -> torch.Tensor:
     return t if "tok_embeddings" in name else 0.05 * t
 
 
+def _spmd_shard(model, name: str, local: torch.Tensor):
+    """``(full shape, this rank's block of it)`` of a plain parameter that spmd_types shards on
+    ``tp`` (its module's declared layout: ``S(d)``), or None."""
+    from regather.torchtitan import spmd
+
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    group = spmd.tp_group() if spmd.declares(module) else None
+    config = compat_sharding_config(module)
+    layout = config.state_shardings.get(attr) if config is not None else None
+    kind = spmd.tp_type(layout) if layout is not None else None
+    if group is None or not hasattr(kind, "dim"):
+        return None
+    dim, world = kind.dim % local.ndim, group.size()
+    shape = list(local.shape)
+    shape[dim] *= world
+    return tuple(shape), lambda full: full.chunk(world, dim=dim)[dist.get_rank(group)]
+
+
 @torch.no_grad()
 def set_params(model) -> None:
     for name, p in model.named_parameters():
-        full = value_for(name, tuple(p.shape)).to(p.dtype)
         if isinstance(p, DTensor):
+            full = value_for(name, tuple(p.shape)).to(p.dtype)
             p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
-        else:
-            p.copy_(full)
+            continue
+        sharded = _spmd_shard(model, name, p)
+        if sharded is None:
+            p.copy_(value_for(name, tuple(p.shape)).to(p.dtype))
+        else:  # spmd_types without FSDP2: this rank's block of the same full tensor
+            shape, block = sharded
+            p.copy_(block(value_for(name, shape).to(p.dtype)))
 
 
 def tokens(shape: TinyLlama3 = DEFAULT, seed: int = 1234):
@@ -205,10 +325,13 @@ def positions(shape: TinyLlama3 = DEFAULT):
     return torch.arange(shape.seq).expand(shape.micro_batch, shape.seq).contiguous()
 
 
-def loss_of(pred, labels):
+def loss_of(pred, labels, vocab: int = VOCAB):
+    """torchtitan's summed cross-entropy over the tokens (vocabulary-parallel on TP-sharded
+    logits: a DTensor under the DTensor backends, this rank's columns under ``spmd_types``, whose
+    loss needs the vocabulary's size), divided by their count."""
     from torchtitan.components.loss import cross_entropy_loss
 
-    return cross_entropy_loss(pred, labels) / labels.numel()
+    return cross_entropy_loss(pred, labels, global_vocab_size=vocab) / labels.numel()
 
 
 def step(model, count: bool | str = "all", dtype=None, shape: TinyLlama3 = DEFAULT, seed: int = 1234):
@@ -219,26 +342,30 @@ def step(model, count: bool | str = "all", dtype=None, shape: TinyLlama3 = DEFAU
     keep, which saved-tensor hooks do not see)."""
     cast = dtype or torch.float32
     hook = model.tok_embeddings.register_forward_hook(lambda m, a, out: out.detach().to(cast).requires_grad_(True))
-    inp, labels = tokens(shape, seed)
+    inp, labels, pos = trainer_inputs(*tokens(shape, seed), positions(shape))
     # compiled blocks take the allocator alone ("allocator") or nothing (False): the collective
     # counter's dispatch mode and patched functions and the saved-tensor hooks would make Dynamo
     # recompile them (and refuse, under a mode)
     full = count == "all"
     alloc = AllocatedBytes(settle_collectives=True)
     fwd, bwd, saved = CollectiveBytes(functional=True), CollectiveBytes(functional=True), SavedBytes.for_model(model)
-    try:
-        # the allocator's region outermost: its closing barrier is not counted by fwd
-        with alloc if count else contextlib.nullcontext():
-            with fwd if full else contextlib.nullcontext(), saved if full else contextlib.nullcontext():
-                pred = model(inp, positions(shape))
-    finally:
-        hook.remove()
-    loss = loss_of(pred, labels)
-    with bwd if full else contextlib.nullcontext():
-        loss.backward()
+    with train_context():
+        try:
+            # the allocator's region outermost: its closing barrier is not counted by fwd
+            with alloc if count else contextlib.nullcontext():
+                with fwd if full else contextlib.nullcontext(), saved if full else contextlib.nullcontext():
+                    pred = model(inp, pos)
+        finally:
+            hook.remove()
+        loss = loss_of(pred, labels, shape.vocab)
+        with bwd if full else contextlib.nullcontext():
+            loss.backward()
+    loss = loss.detach()
+    if isinstance(loss, DTensor):  # full_dtensor's loss: a DTensor on the dense mesh
+        loss = loss.full_tensor()
     if not full:
-        return loss.detach(), None, dict(alive=alloc.alive)
-    return loss.detach(), saved, dict(fwd=dict(fwd.calls), bwd=dict(bwd.calls), fwd_bytes=dict(fwd.bytes),
+        return loss, None, dict(alive=alloc.alive)
+    return loss, saved, dict(fwd=dict(fwd.calls), bwd=dict(bwd.calls), fwd_bytes=dict(fwd.bytes),
                                       bwd_bytes=dict(bwd.bytes), alive=alloc.alive)
 
 
