@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from regather.tools.cpu.quiet import quiet_command
+
     args = build_parser().parse_args(argv)
+    quiet_command()  # before any rank starts: framework chatter stays out of the report
     return int(args.func(args) or 0)
 
 

@@ -16,13 +16,13 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all"
 
 def environment() -> dict:
     """Hardware and software the run used."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
 
-    try:
-        import megatron.core
-
-        megatron = getattr(megatron.core, "__version__", "unknown")
-    except Exception:
+    try:  # the installed distribution's version: importing megatron.core would print its warnings
+        megatron = version("megatron-core")
+    except PackageNotFoundError:
         megatron = "not installed"
     cpu = platform.processor() or platform.machine()
     try:
