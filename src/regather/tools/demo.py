@@ -20,6 +20,7 @@ from importlib import resources
 import torch
 
 from regather.megatron.reasons import ELIGIBLE_BASES
+from regather.tools.cmdline import positive
 
 STRATEGIES = ("gather", "regather", "regather-recompute")
 LABELS = {"gather": "gather", "regather": "regather", "regather-recompute": "+recompute"}
@@ -163,14 +164,14 @@ def run(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="short LoRA fine-tune on 2 CPU ranks: gather vs regather vs "
                               "regather + recompute_adapter_inputs")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--steps", type=positive, default=30)
+    p.add_argument("--tp", type=positive, default=2)
+    p.add_argument("--layers", type=positive, default=2)
+    p.add_argument("--hidden", type=positive, default=128)
+    p.add_argument("--heads", type=positive, default=4)
+    p.add_argument("--seq", type=positive, default=128)
+    p.add_argument("--micro-batch", type=positive, default=4)
+    p.add_argument("--lora-rank", type=positive, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--timeout", type=float, default=170.0, help="expected seconds; ranks still computing are stopped after 3x this "
                    "(REGATHER_TEST_TIMEOUT_SCALE), ranks making no progress after 60 s (REGATHER_STALL_TIMEOUT)")
