@@ -47,6 +47,12 @@ class Setup(ModelShape, RunShape):
     recompute_adapter_inputs: bool = False
     activation: str = "gelu"  # the MLP's: "gelu" or "swiglu" (silu, gated)
     add_bias_linear: bool = True  # megatron's default (the tiny test GPT has biases)
+    # what the base linears keep (regather.tools.estimate.spec): "local" (megatron's local spec, what
+    # --build builds) or "te" (Transformer Engine, what Bridge's recipes run: the command's default)
+    spec: str = "local"
+    # the attention keeps its output for its backward (TE's fused attention, flash-attention)
+    attention_keeps_output: bool = False
+    model_name: str = "tiny GPT"  # for the report: a preset's name, or the tiny test GPT
 
 
 def shares_expert_lora(setup: Setup) -> bool:
