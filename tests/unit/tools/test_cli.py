@@ -4,35 +4,14 @@ doctor and estimate, bad input refused the same way by every command, ``--help``
 Each call starts a fresh interpreter that imports torch (about 2 s of CPU), so the matrix stays small."""
 
 import re
-import shutil
-import subprocess
-import sys
-from importlib import metadata
-from pathlib import Path
 
 import pytest
+from regather_console import NOT_INSTALLED, regather, script
 
 pytestmark = pytest.mark.timeout(300)
 
-
-def _script() -> str | None:
-    """The installed ``regather`` console script beside this interpreter (where regather is installed)."""
-    try:
-        metadata.distribution("regather")
-    except metadata.PackageNotFoundError:
-        return None
-    beside = Path(sys.executable).parent / "regather"
-    return str(beside) if beside.exists() else shutil.which("regather")
-
-
-SCRIPT = _script()
-if SCRIPT is None:
-    pytest.skip("regather is not installed in this environment (a PYTHONPATH=src tier): no console script",
-                allow_module_level=True)
-
-
-def regather(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([SCRIPT, *argv], capture_output=True, text=True, timeout=240)
+if script() is None:
+    pytest.skip(NOT_INSTALLED, allow_module_level=True)
 
 
 def test_doctor_and_estimate_print_the_same_saving():
