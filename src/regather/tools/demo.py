@@ -21,8 +21,10 @@ import torch
 
 from regather.megatron.reasons import ELIGIBLE_BASES
 from regather.tools.cmdline import positive
+from regather.tools.shapes import tp_problems
 
 STRATEGIES = ("gather", "regather", "regather-recompute")
+WARMUP = 3  # first steps left out of the step-time medians
 LABELS = {"gather": "gather", "regather": "regather", "regather-recompute": "+recompute"}
 
 
@@ -69,8 +71,13 @@ def run(args) -> int:
 
     shape = TinyGPT(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=4 * args.hidden, vocab=256,
                     seq=args.seq)
+    problems = tp_problems(shape, args.tp, args.seq, ffn_flag="the MLP width (4 x --hidden)")
+    if args.steps <= WARMUP:
+        problems.append(f"--steps {args.steps} must exceed the {WARMUP} warm-up steps the times leave out")
+    if problems:
+        raise SystemExit("regather demo: " + "; ".join(problems))
     cfg = RunConfig(tp=args.tp, shape=shape, micro_batch=args.micro_batch, steps=args.steps,
-                    lr=args.lr, lora_dim=args.lora_rank, lora_alpha=2 * args.lora_rank, warmup=3)
+                    lr=args.lr, lora_dim=args.lora_rank, lora_alpha=2 * args.lora_rank, warmup=WARMUP)
     tokens = load_corpus()
     print(f"regather demo: LoRA (rank {args.lora_rank}) fine-tune of a megatron-core GPTModel "
           f"({args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
@@ -154,7 +161,7 @@ def run(args) -> int:
         print("  (layer 0's linear_qkv reads the frozen embeddings' output, which needs no gradient, so its "
               "input_layernorm saves nothing to recompute from; with an input that requires grad — Bridge's "
               "maybe_enable_recompute_inputs_grad, HF's enable_input_require_grads — it recomputes too)")
-    print(f"Step-time ratios (median of steps 4-{args.steps}, CPU, same run; absolute times mean little on "
+    print(f"Step-time ratios (median of steps {WARMUP + 1}-{args.steps}, CPU, same run; absolute times mean little on "
           f"CPU): regather/gather {times[1] / times[0]:.3f}, +recompute/gather {times[2] / times[0]:.3f}, "
           f"+recompute/regather {times[2] / times[1]:.3f}.")
     print(f"Losses identical on every rank: {'yes' if identical else 'NO'}")

@@ -49,6 +49,8 @@ REFUSED = [
     (["bench", "--strategies", "foo"], ["'foo'", "regather"]),
     (["bench", "--torchtitan", "--tp", "1"], ["--tp 1", "at least 2 ranks"]),
     (["demo", "--steps", "0"], ["--steps", "0 is not a positive integer"]),
+    (["demo", "--tp", "3"], ["--heads 4 is not divisible by --tp 3"]),
+    (["bench", "--heads", "5"], ["--heads 5 is not divisible by --tp 2"]),
     ]
 
 

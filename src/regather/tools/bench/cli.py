@@ -132,19 +132,21 @@ def spec_from_args(args) -> BenchSpec:
     only_moe += [f"--{n.replace('_', '-')}" for n in _MOE_OPTIONS if getattr(args, n, None) != getattr(dm, n, False)]
     if only_moe:
         raise SystemExit(f"regather bench: {', '.join(only_moe)}: MoE models only (--moe)")
-    if args.steps <= args.warmup:
-        raise SystemExit(f"regather bench: --steps ({args.steps}) must exceed --warmup ({args.warmup})")
     targets = args.targets
     if targets is None:
         targets = CANONICAL_TARGETS if args.canonical else DEFAULT_TARGETS
     elif isinstance(targets, str):
         targets = _targets(targets)
-    return BenchSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, vocab=args.vocab,
+    spec = BenchSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, vocab=args.vocab,
                      kv_heads=args.kv_heads, tp=args.tp, seq=args.seq, micro_batch=args.micro_batch,
                      dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                      targets=tuple(targets), canonical=args.canonical,
                      steps=args.steps, warmup=args.warmup, strategies=tuple(args.strategies or ()),
                      timeout=args.timeout, quiet=args.quiet, input_requires_grad=args.input_requires_grad)
+    problems = spec.problems()
+    if problems:
+        raise SystemExit("regather bench: " + "; ".join(problems))
+    return spec
 
 
 # the --moe options (--per-expert: share_expert_adapters=False), in the order the refusal names them
