@@ -18,6 +18,12 @@ complex operators``                                      ``--compile`` on CPU: a
 / ``profiler_stop``                                      :class:`~regather.core.allocated.AllocatedBytes`
                                                          measures: ``KINETO_LOG_LEVEL`` (:data:`ENVIRONMENT`),
                                                          read when a process first profiles
+``resource_tracker: There appear to be 2 leaked          multiprocessing's resource tracker, when the command
+semaphore objects``                                      exits after ``--compile``: the ``torch.fx``
+                                                         interpreter's progress bar (tqdm) makes a
+                                                         multiprocessing lock in each rank, which ends with
+                                                         ``os._exit`` before unregistering it: a rank's tqdm
+                                                         keeps its thread lock only (:func:`quiet_rank`)
 ``[W … CPUAllocator.cpp] Memory block of unknown size    c10, once per rank, when a region frees a block
 was allocated before the profiling started``             allocated before it (which AllocatedBytes leaves
                                                          out by design): ``TORCH_CPP_LOG_LEVEL``, read when
@@ -54,10 +60,19 @@ def filter_warnings() -> None:
 
 
 def quiet_rank() -> None:
-    """In a rank, before it runs anything: the filters and :data:`ENVIRONMENT`."""
+    """In a rank, before it runs anything: the filters, :data:`ENVIRONMENT`, and tqdm without a
+    multiprocessing lock (a rank writes no progress bar from several processes; its ``os._exit`` would
+    leave the lock's semaphore to the resource tracker, which warns about it at the command's exit)."""
     filter_warnings()
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+    import importlib.util
+
+    if importlib.util.find_spec("tqdm") is not None:
+        from tqdm.std import TqdmDefaultWriteLock
+
+        if not hasattr(TqdmDefaultWriteLock, "mp_lock"):  # tqdm makes one only where none is set
+            TqdmDefaultWriteLock.mp_lock = None
 
 
 def quiet_command() -> None:
