@@ -19,18 +19,18 @@ frozen model's count off by a gathered input). A barrier at the end does not hel
 holds the works still in progress, and its own worker drops them.
 
 With ``settle_collectives=True`` (every rank of each process group used entering the region alike)
-the calling thread holds every tensor a collective reads or writes inside the region (a dispatch
-mode on ``c10d`` and ``_c10d_functional`` ops; ``DTensor`` runs first, so the mode sees the plain
-tensors); at the end it drains each process group used, and the default one, with
-:data:`DRAIN_ROUNDS` all-reduces of a tensor allocated before the region (a worker drops a finished
-work before it takes the next), then drops its holds, so every collective block is freed, or kept by
-its real owner, on the profiling thread. Measured on two gloo ranks, a region of six all-gathers
+the region ends by draining each process group used, and the default one, with :data:`DRAIN_ROUNDS`
+all-reduces of a tensor allocated before the region (a worker drops a finished work before it takes
+the next). With ``hold_collective_tensors=True`` too, the calling thread holds every tensor a
+collective reads or writes inside the region (a dispatch mode on ``c10d`` and ``_c10d_functional``
+ops; ``DTensor`` runs first, so the mode sees the plain tensors) and drops its holds after the
+drain, so every collective block is freed, or kept by its real owner, on the profiling thread. Measured on two gloo ranks, a region of six all-gathers
 whose outputs die inside it (``tests/distributed/core/workers_allocated.py``): regions with phantom bytes
 83 and 77 of 120 (rank 0, rank 1) as before, 73 and 68 when only draining, 0 and 1 holding and
 draining. A worker descheduled across the drains can still hold its last work; the count is then too
-high, never too low, so ``regather bench`` takes the smaller of two steps' counts. Under
-``torch.compile`` a dispatch mode would make Dynamo recompile (and refuse), so
-``hold_collective_tensors=False`` drains without holding.
+high, never too low, so ``regather bench`` takes the smaller of two steps' counts. Holding is off by
+default: around ``torch.compile``'d code a dispatch mode makes Dynamo refuse the frames ("non-infra
+torch dispatch mode present"), so only code that runs eagerly may ask for it.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class AllocatedBytes:
     """``with AllocatedBytes() as a: ...`` then ``a.alive``: bytes allocated on ``device`` inside
     the block and still alive when it ended. ``settle_collectives``: see the module doc."""
 
-    def __init__(self, device: str = "cpu", settle_collectives: bool = False, hold_collective_tensors: bool = True):
+    def __init__(self, device: str = "cpu", settle_collectives: bool = False, hold_collective_tensors: bool = False):
         self.device = device
         self.settle_collectives = settle_collectives
         self.hold_collective_tensors = hold_collective_tensors

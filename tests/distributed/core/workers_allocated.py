@@ -34,7 +34,7 @@ def settled_regions(rank, world_size, pairs: int) -> dict:
             counts = []
             for _ in range(2):
                 keep: list = []
-                with AllocatedBytes(settle_collectives=True) as a:
+                with AllocatedBytes(settle_collectives=True, hold_collective_tensors=True) as a:
                     _gathers(keep if what == "kept" else [])
                 counts.append(a.alive)
                 del keep
