@@ -5,7 +5,7 @@ names and megatron row layouts both directions share (:mod:`regather.hf.layout`)
 ``peft`` nor ``transformers``; ``safetensors`` reads and writes the weights.
 
 This package is the home of every name the former ``regather.peft_export`` module had (removed
-after 0.2.0): the PEFT functions, the file and key names, the layout helpers."""
+while 0.2.0 was developed, never released): the PEFT functions, the file and key names, the layout helpers."""
 
 from regather.hf.layout import DEFAULT_NAMES, gated_fc1_shard, merge_qkv, split_gated_fc1, split_qkv
 from regather.hf.peft_config import UnsupportedAdapter

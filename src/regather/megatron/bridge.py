@@ -54,6 +54,14 @@ from dataclasses import dataclass, fields
 try:
     from megatron.bridge.peft.lora import LoRA as BridgeLoRA
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess without Bridge
+    missing = getattr(exc, "name", None) or ""
+    if missing.split(".")[0] == "transformer_engine":  # Bridge is there; what it imports is not
+        raise ImportError(
+            "regather.bridge imports Megatron Bridge, and Megatron Bridge (0.6.2) imports Transformer Engine at "
+            "module level (megatron/bridge/peft/lora_layers.py: `import transformer_engine.pytorch`), which is "
+            "not installed here: install the transformer-engine your Bridge pins (2.18 for 0.6.2), or use "
+            f"regather.LoRA, which needs only megatron-core. The import failed with: {type(exc).__name__}: {exc}"
+        ) from exc
     raise ImportError(
         "regather.bridge needs Megatron Bridge (the megatron.bridge.peft package): "
         "`pip install megatron-bridge` into this environment, or use regather.LoRA, which needs only "

@@ -3,14 +3,18 @@
 Each sub-command lives in its own module exposing ``register(subparsers)``,
 which adds an argparse sub-parser whose ``func`` default runs it. Modules are
 imported only when listed here, and each keeps its heavy imports (megatron-core,
-matplotlib) inside the function that runs it, so ``regather --help`` is fast.
+torchtitan, matplotlib) inside the function that runs it, so ``regather --help``
+loads none of them (torch it does). Bad input ends a command with one line
+(:mod:`regather.tools.cmdline`).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import os
 import sys
+
+from regather.tools.cmdline import Parser
 
 # sub-command name -> module that registers it
 _COMMANDS = {
@@ -21,8 +25,8 @@ _COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="regather", description=__doc__.splitlines()[0])
+def build_parser() -> Parser:
+    parser = Parser(prog="regather", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for module in _COMMANDS.values():
         try:
@@ -36,8 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from regather.tools.cpu.quiet import quiet_command
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    quiet_command()  # before any rank starts: framework chatter stays out of the report
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # `regather estimate | head`: the reader left early, not a failure of the command
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit stays quiet
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

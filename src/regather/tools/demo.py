@@ -15,13 +15,18 @@ the step-time ratios. It exits non-zero if the losses differ.
 
 from __future__ import annotations
 
+import textwrap
 from importlib import resources
 
 import torch
 
 from regather.megatron.reasons import ELIGIBLE_BASES
+from regather.tools.cmdline import positive
+from regather.tools.shapes import tp_problems
 
 STRATEGIES = ("gather", "regather", "regather-recompute")
+WARMUP = 3  # first steps left out of the step-time medians
+WIDTH = 120  # the report's lines wrap here
 LABELS = {"gather": "gather", "regather": "regather", "regather-recompute": "+recompute"}
 
 
@@ -61,6 +66,18 @@ def _kept_inputs(decisions: dict) -> dict:
     return {p: d.split(marker, 1)[1][:-1] for p, d in decisions.items() if marker in d}
 
 
+def _say(text: str = "", indent: int | None = None) -> None:
+    """A line of the report; one longer than 120 columns wraps, its continuations indented (``indent``,
+    else four more than the line's own)."""
+    for line in text.split("\n"):
+        if len(line) <= WIDTH:
+            print(line)
+            continue
+        lead = len(line) - len(line.lstrip())
+        print(textwrap.fill(line, WIDTH, subsequent_indent=" " * (lead + 4 if indent is None else indent),
+                            break_long_words=False, break_on_hyphens=False))
+
+
 def run(args) -> int:
     from regather.tools.cpu.dist import run_ranks
     from regather.tools.cpu.models import TinyGPT
@@ -68,37 +85,42 @@ def run(args) -> int:
 
     shape = TinyGPT(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=4 * args.hidden, vocab=256,
                     seq=args.seq)
+    problems = tp_problems(shape, args.tp, args.seq, ffn_flag="the MLP width (4 x --hidden)")
+    if args.steps <= WARMUP:
+        problems.append(f"--steps {args.steps} must exceed the {WARMUP} warm-up steps the times leave out")
+    if problems:
+        raise SystemExit("regather demo: " + "; ".join(problems))
     cfg = RunConfig(tp=args.tp, shape=shape, micro_batch=args.micro_batch, steps=args.steps,
-                    lr=args.lr, lora_dim=args.lora_rank, lora_alpha=2 * args.lora_rank, warmup=3)
+                    lr=args.lr, lora_dim=args.lora_rank, lora_alpha=2 * args.lora_rank, warmup=WARMUP)
     tokens = load_corpus()
-    print(f"regather demo: LoRA (rank {args.lora_rank}) fine-tune of a megatron-core GPTModel "
+    _say(f"regather demo: LoRA (rank {args.lora_rank}) fine-tune of a megatron-core GPTModel "
           f"({args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
           f"micro-batch {args.micro_batch}, fp32)")
-    print(f"TP={args.tp} + sequence parallel on {args.tp} CPU ranks (gloo); text: tiny_corpus.txt "
+    _say(f"TP={args.tp} + sequence parallel on {args.tp} CPU ranks (gloo); text: tiny_corpus.txt "
           f"({len(tokens):,} bytes, byte-level tokens); {args.steps} steps per run, interleaved:")
-    print("  gather      LoRA()  (the classic path)")
-    print("  regather    LoRA(sequence_parallel_input_regather=True)")
-    print("  +recompute  LoRA(sequence_parallel_input_regather=True, recompute_adapter_inputs=True)\n")
+    _say("  gather      LoRA()  (the classic path)")
+    _say("  regather    LoRA(sequence_parallel_input_regather=True)")
+    _say("  +recompute  LoRA(sequence_parallel_input_regather=True, recompute_adapter_inputs=True)\n")
     results = run_ranks(_rank_main, args.tp, cfg, tokens, timeout=args.timeout)
     r0 = results[0]
     runs = [r0[name] for name in STRATEGIES]
     g, rg, rc = runs
 
-    print(f"{'step':>4}  {'loss (gather)':>14}  {'loss (regather)':>15}  {'loss (+recompute)':>17}  same")
+    _say(f"{'step':>4}  {'loss (gather)':>14}  {'loss (regather)':>15}  {'loss (+recompute)':>17}  same")
     identical = True
     for i, losses in enumerate(zip(*(r["loss"] for r in runs))):
         same = all(x == losses[0] for x in losses)
         identical &= same
-        print(f"{i + 1:>4}  {losses[0]:>14.6f}  {losses[1]:>15.6f}  {losses[2]:>17.6f}  {'yes' if same else 'NO'}")
+        _say(f"{i + 1:>4}  {losses[0]:>14.6f}  {losses[1]:>15.6f}  {losses[2]:>17.6f}  {'yes' if same else 'NO'}")
     for rank_result in results[1:]:  # every rank must agree, not just rank 0
         identical &= all(rank_result[name]["loss"] == rank_result["gather"]["loss"] for name in STRATEGIES)
 
-    print("\nAdapter decisions (+recompute run, rank 0):")
+    _say("\nAdapter decisions (+recompute run, rank 0):")
     width = max(len(p) for p in rc["decisions"])
     for path, decision in sorted(rc["decisions"].items()):
-        print(f"  {path:<{width}}  {decision}")
+        _say(f"  {path:<{width}}  {decision}", indent=width + 4)
 
-    print("\nOne step, per rank (bytes counted: saved-tensor hooks at the end of forward;"
+    _say("\nOne step, per rank (bytes counted: saved-tensor hooks at the end of forward;"
           " collectives wrapped, bytes received):")
     # adapters grouped by what the +recompute run does with their input (bytes measured per adapter)
     kept = _kept_inputs(rc["decisions"])
@@ -125,20 +147,20 @@ def run(args) -> int:
     for kind in sorted(set().union(*(r["comm_bytes"] for r in runs))):
         rows.append((f"{kind} bytes", [r["comm_bytes"].get(kind, 0) for r in runs]))
     head = "".join(f" {LABELS[n]:>12}" for n in STRATEGIES)
-    print(f"  {'':<34}{head} {'regather/gather':>16} {'+recompute/gather':>18}")
+    _say(f"  {'':<34}{head} {'regather/gather':>16} {'+recompute/gather':>18}")
     for label, vals in rows:
         ratios = [f"{v / vals[0]:.3f}" if vals[0] else "-" for v in vals[1:]]
-        print(f"  {label:<34}" + "".join(f" {_fmt_bytes(v):>12}" for v in vals)
+        _say(f"  {label:<34}" + "".join(f" {_fmt_bytes(v):>12}" for v in vals)
               + f" {ratios[0]:>16} {ratios[1]:>18}")
     times = [r["median_step_time"] for r in runs]
-    print(f"  {'median step time (ms)':<34}" + "".join(f" {t * 1e3:>12.2f}" for t in times)
+    _say(f"  {'median step time (ms)':<34}" + "".join(f" {t * 1e3:>12.2f}" for t in times)
           + f" {times[1] / times[0]:>16.3f} {times[2] / times[0]:>18.3f}")
 
-    print(f"\nLoRA-A inputs of the eligible adapters (qkv, fc1): {_fmt_bytes(_eligible(rg))} bytes "
+    _say(f"\nLoRA-A inputs of the eligible adapters (qkv, fc1): {_fmt_bytes(_eligible(rg))} bytes "
           f"instead of {_fmt_bytes(_eligible(g))}, cut by a factor {_eligible(g) / _eligible(rg):g} "
           f"(TP={args.tp}); the row-parallel adapters keep their TP-split input on both paths.")
     new_bytes = sum(rc["saved_adapter_input_bytes_by_adapter"][p] for p in recomputed)
-    print(f"recompute_adapter_inputs=True: {len(recomputed)} adapters rebuild their input in backward from "
+    _say(f"recompute_adapter_inputs=True: {len(recomputed)} adapters rebuild their input in backward from "
           f"what its producer keeps ({len(col_rc)} qkv/fc1 from their norm, {len(fc2_rc)} fc2 from the MLP "
           f"activation) and save {_fmt_bytes(new_bytes)} new bytes for it; retained total "
           f"{_fmt_bytes(rc['saved_bytes'])} instead of {_fmt_bytes(g['saved_bytes'])} (gather), "
@@ -146,31 +168,31 @@ def run(args) -> int:
           f"no longer kept ({_fmt_bytes(g['saved_adapter_input_bytes'] - rc['saved_adapter_input_bytes'])}).")
     for path, why in sorted(kept.items()):
         if not path.endswith("linear_proj"):
-            print(f"  keeps its input: {path}: {why}")
+            _say(f"  keeps its input: {path}: {why}")
     if any(p.endswith("linear_proj") for p in kept):
-        print("  keeps its input: every linear_proj (no recomputable producer: the attention output)")
+        _say("  keeps its input: every linear_proj (no recomputable producer: the attention output)")
     if any(p.endswith("layers.0.self_attention.linear_qkv") for p in kept):
-        print("  (layer 0's linear_qkv reads the frozen embeddings' output, which needs no gradient, so its "
+        _say("  (layer 0's linear_qkv reads the frozen embeddings' output, which needs no gradient, so its "
               "input_layernorm saves nothing to recompute from; with an input that requires grad — Bridge's "
               "maybe_enable_recompute_inputs_grad, HF's enable_input_require_grads — it recomputes too)")
-    print(f"Step-time ratios (median of steps 4-{args.steps}, CPU, same run; absolute times mean little on "
+    _say(f"Step-time ratios (median of steps {WARMUP + 1}-{args.steps}, CPU, same run; absolute times mean little on "
           f"CPU): regather/gather {times[1] / times[0]:.3f}, +recompute/gather {times[2] / times[0]:.3f}, "
           f"+recompute/regather {times[2] / times[1]:.3f}.")
-    print(f"Losses identical on every rank: {'yes' if identical else 'NO'}")
+    _say(f"Losses identical on every rank: {'yes' if identical else 'NO'}")
     return 0 if identical else 1
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="short LoRA fine-tune on 2 CPU ranks: gather vs regather vs "
                               "regather + recompute_adapter_inputs")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--steps", type=positive, default=30)
+    p.add_argument("--tp", type=positive, default=2)
+    p.add_argument("--layers", type=positive, default=2)
+    p.add_argument("--hidden", type=positive, default=128)
+    p.add_argument("--heads", type=positive, default=4)
+    p.add_argument("--seq", type=positive, default=128)
+    p.add_argument("--micro-batch", type=positive, default=4)
+    p.add_argument("--lora-rank", type=positive, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--timeout", type=float, default=170.0, help="expected seconds; ranks still computing are stopped after 3x this "
                    "(REGATHER_TEST_TIMEOUT_SCALE), ranks making no progress after 60 s (REGATHER_STALL_TIMEOUT)")

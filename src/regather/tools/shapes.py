@@ -101,3 +101,18 @@ def shape_fields(shape: type, obj) -> dict:
     """``obj``'s values of the fields of ``shape`` (:class:`ModelShape` or :class:`RunShape`): what
     one class derived from the shapes hands to another (``TinyGPT(**shape_fields(ModelShape, spec))``)."""
     return {f.name: getattr(obj, f.name) for f in fields(shape)}
+
+
+def tp_problems(model: ModelShape, tp: int, seq: int, sp: bool = True, ffn_flag: str = "--ffn") -> list[str]:
+    """What megatron refuses for ``model`` at tensor parallel size ``tp`` (its heads, query groups and
+    MLP split over TP; the sequence too under sequence parallelism), named as the commands' flags name
+    them (``ffn_flag``: how the command sets the MLP width); empty: nothing. A command checks this
+    before it starts any rank."""
+    out = []
+    for flag, size in (("--heads", model.heads), ("--kv-heads", model.kv_heads or 0), (ffn_flag, model.ffn),
+                       ("--seq", seq if sp else 0)):
+        if size % tp:
+            out.append(f"{flag} {size} is not divisible by --tp {tp}")
+    if model.hidden % model.heads:
+        out.append(f"--hidden {model.hidden} is not divisible by --heads {model.heads}")
+    return out

@@ -68,8 +68,9 @@ def test_adapter_decisions_and_saving():
     row = [f for f in adapters if "row-parallel" in f.message]
     assert len(row) == 4 and all(f.level == "info" for f in row)  # by design: not a warning
     (saving,) = [f for f in found if f.code == "saving"]
-    per = 32 * 2 * 64 * 2 // 2  # s*b*h*e*(t-1)/t
-    assert f"{4 * per:,} bytes" in saving.message and f"4 re-gathering adapter(s) x {per:,}" in saving.message
+    per = 32 * 2 * 64 * 2 // 2  # s*b*h*e*(t-1)/t: the local spec keeps x_local beside nothing
+    assert f"saved per GPU: {4 * per:,} bytes" in saving.message
+    assert f"linear_qkv {2 * per:,} (2 adapter(s)), linear_fc1 {2 * per:,} (2 adapter(s))" in saving.message
 
 
 def test_selective_mlp_recompute_falls_back_with_a_fix():
@@ -82,7 +83,7 @@ def test_full_recompute_and_cuda_graphs_make_every_adapter_fall_back():
     for s in (Setup(recompute_granularity="full", recompute_method="uniform"), Setup(cuda_graphs=True)):
         found = diagnose(GOOD_ENV, s)
         assert not any(f.message.endswith(": regather") for f in found if f.code == "adapter")
-        assert "0 re-gathering" in next(f for f in found if f.code == "saving").message
+        assert "saved per GPU: 0 bytes, of" in next(f for f in found if f.code == "saving").message
 
 
 def test_gather_strategy_suggests_regather_and_tp1_says_no_effect():
@@ -91,9 +92,14 @@ def test_gather_strategy_suggests_regather_and_tp1_says_no_effect():
     assert "regather-no-effect" in codes(diagnose(GOOD_ENV, Setup(sp=False)))
 
 
-def test_estimate_api_is_used_when_present():
-    per, how = doctor.per_adapter_saving(Setup(seq=8192, micro_batch=1, hidden=4096, tp=2, dtype="bfloat16"))
-    assert per == 8192 * 4096 * 2 // 2 and "regather.tools.estimate.adapter_input_bytes" in how
+@pytest.mark.parametrize("spec,freed", [("local", 8192 * 4096 * 2 // 2), ("te", 8192 * 4096 * 2)])
+def test_each_adapter_reads_estimates_row(spec, freed):
+    """A re-gathering qkv adapter frees x_full - x_local on the local spec and the whole gathered x_full on
+    TE's (LayerNormLinear keeps the shard for LoRA-A anyway: regather.tools.estimate.spec)."""
+    setup = Setup(seq=8192, micro_batch=1, hidden=4096, tp=2, dtype="bfloat16", spec=spec)
+    per = doctor.dense_bytes(setup, doctor.analytic_decisions(setup))
+    gather, kept = per["decoder.layers.1.self_attention.linear_qkv"]
+    assert gather - kept == freed
 
 
 def test_cli_json_and_exit_code(capsys, monkeypatch):
@@ -105,8 +111,9 @@ def test_cli_json_and_exit_code(capsys, monkeypatch):
     assert out["setup"]["tp"] == 2 and any(f["code"] == "saving" for f in out["findings"])
     assert main(["doctor", "--cpu-offloading", "--pp", "2"]) == 1
     assert "cpu-offload-pp" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="'bogus'"):
+    with pytest.raises(SystemExit) as refused:
         main(["doctor", "--strategy", "bogus"])
+    assert refused.value.code == 2 and "'bogus'" in capsys.readouterr().err
 
 
 NOTHING_KEPT = "it keeps nothing for its backward (neither its input nor its weights need a gradient)"
@@ -140,9 +147,10 @@ def test_recompute_saving_line_counts_x_local_and_fc2_inputs():
     (saving,) = [f for f in diagnose(GOOD_ENV, s) if f.code == "saving"]
     x_local, fc2 = 32 * 2 * 64 // 2 * 2, 32 * 2 * 128 // 2 * 2
     total = 4 * x_local + 3 * x_local + 2 * fc2  # re-gather 4, recompute 3 qkv/fc1 (not layer 0's qkv), 2 fc2
-    assert f"{total:,} bytes" in saving.message
-    assert f"3 recomputed qkv/fc1 input(s) x {x_local:,}" in saving.message
-    assert f"2 recomputed fc2 input(s) x {fc2:,}" in saving.message
+    assert f"saved per GPU: {total:,} bytes" in saving.message
+    # layer 0's qkv re-gathers (x_local) but keeps its input; layer 1's frees x_full = 2 x_local
+    assert f"linear_qkv {3 * x_local:,} (2 adapter(s)), linear_fc1 {4 * x_local:,} (2 adapter(s)), " \
+           f"linear_fc2 {2 * fc2:,} (2 adapter(s))" in saving.message
 
 
 def test_recompute_on_gather_only_fc2_and_the_reasons():
@@ -311,7 +319,7 @@ def test_saving_counts_expert_adapters_exactly():
     gather, rc = adapter_input_bytes(model, run, "gather"), adapter_input_bytes(model, run, "regather-recompute")
     assert sum(gather[k] - rc[k] for k in ("experts.linear_fc1", "experts.linear_fc2")) == expert
     bad = next(f for f in diagnose(GOOD_ENV, replace(setup, num_experts=3)) if f.code == "saving")
-    assert "fc2 inputs in 2, not counted: 3 experts do not split over EP 2" in bad.message
+    assert bad.message == "LoRA-A input bytes not estimated: 3 experts do not split over EP 2"
 
 
 def test_cli_moe_flags(capsys, monkeypatch):
@@ -329,3 +337,75 @@ def test_cli_moe_flags(capsys, monkeypatch):
     assert main(["doctor", "--moe", "--experts", "grouped", "--no-share-expert-adapters", "--recompute-adapter-inputs",
                  "--redispatch-expert-inputs"]) == 0
     assert "input recomputed from the router's input, dispatched again in backward" in capsys.readouterr().out
+
+
+# -- doctor on real models: the same bytes as estimate --------------------------------------------
+
+RC = "--recompute-adapter-inputs"
+
+
+def _parsed(command: str, argv: list[str]):
+    from regather.tools.cli import build_parser
+
+    return build_parser().parse_args([command, *argv])
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["--model", "qwen3-8b", "--tp", "2", "--seq", "8192", RC], ["--spec", "local"],
+    ["--spec", "local", RC, "--input-requires-grad"], ["--strategy", "lowrank", RC], ["--strategy", "gather", RC],
+    ["--no-sp", RC], ["--pp", "2", "--in-flight", "2", RC], ["--recipe", RC],
+    ["--recipe", "qwen3-8b-peft-1gpu", RC], ["--recipe", "llama3-70b-peft-8gpu", RC],
+    ["--recipe", "qwen3-8b-reference", RC], ["--model", "qwen3-30b-a3b", "--tp", "4", "--ep", "4", RC],
+    ["--model", "gpt-oss-120b", "--ep", "8", RC], ["--model", "llama3-8b", "--targets", "linear_qkv,linear_fc2", RC],
+], ids=lambda a: " ".join(a) or "defaults")
+def test_doctor_and_estimate_agree_to_the_byte(argv):
+    """The same command line (doctor's own options left out) gives estimate's model and run, and the
+    saving estimate reports for the strategy doctor is asked about is the one doctor sums adapter by adapter."""
+    from regather.tools.doctor.cli import setup_from_args
+    from regather.tools.doctor.summary import estimate_variant, summary
+    from regather.tools.estimate.cli import apply_layout, model_from_args, run_from_args
+    from regather.tools.estimate.summary import estimate
+
+    setup = setup_from_args(_parsed("doctor", argv))
+    shared = [a for a in argv if a != RC]
+    if "--strategy" in shared:
+        i = shared.index("--strategy")
+        shared = shared[:i] + shared[i + 2:]
+    args = _parsed("estimate", shared)
+    apply_layout(args)
+    variant = estimate_variant(setup)
+    want = estimate(model_from_args(args), run_from_args(args), (variant,))[variant]["saved_vs_gather"]
+    got = summary(setup, doctor.analytic_decisions(setup))
+    assert got["saved"] == want == got["estimate"]["saved"], (got["saved"], want)
+    assert got["saved"] == sum(g["saved"] for g in got["groups"])
+
+
+def test_doctor_defaults_are_estimates():
+    """No option: estimate's preset, spec, micro-batch, rank and layout; the tiny GPT under --build."""
+    from regather.tools.doctor.cli import setup_from_args
+
+    s = setup_from_args(_parsed("doctor", []))
+    assert (s.model_name, s.hidden, s.layers, s.spec, s.micro_batch, s.seq, s.lora_rank, s.tp, s.sp) == \
+        ("Qwen3-8B", 4096, 36, "te", 1, 8192, 16, 2, True)
+    assert s.attention_keeps_output and s.activation == "swiglu" and not s.add_bias_linear
+    built = setup_from_args(_parsed("doctor", ["--build"]))
+    assert (built.hidden, built.spec, built.micro_batch, built.seq) == (Setup().hidden, "local", 2, 32)
+    recipe = setup_from_args(_parsed("doctor", ["--recipe", "qwen3-8b-peft-1gpu"]))
+    assert (recipe.tp, recipe.sp, recipe.seq, recipe.targets, recipe.lora_rank) == \
+        (1, False, 2048, ("linear_qkv", "linear_proj"), 8)
+
+
+def test_summary_groups_say_why_the_rest_saves_nothing():
+    from regather.tools.doctor.cli import setup_from_args
+    from regather.tools.doctor.summary import summary
+
+    setup = setup_from_args(_parsed("doctor", [RC]))
+    groups = {(g["kind"], g["layers"]): g for g in summary(setup, doctor.analytic_decisions(setup))["groups"]}
+    qkv0 = groups[("linear_qkv", "0")]
+    assert qkv0["adapters"] == 1 and "input kept" in qkv0["decision"] and "requires grad" in qkv0["fix"]
+    assert groups[("linear_qkv", "1-35")]["adapters"] == 35
+    proj = groups[("linear_proj", "")]
+    assert proj["saved"] == 0 and "row-parallel" in proj["decision"] and proj["adapters"] == 36
+    graphs = setup_from_args(_parsed("doctor", ["--cuda-graphs"]))
+    s = summary(graphs, doctor.analytic_decisions(graphs))
+    assert s["saved"] == 0 < s["estimate"]["saved"]  # estimate models no CUDA graphs: the summary says so

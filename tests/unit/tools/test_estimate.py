@@ -213,6 +213,7 @@ def test_unknown_variant_and_cli_report(capsys):
     assert cli.main(["estimate", "--spec", "local", "--model", "qwen3-8b", "--tp", "2", "--seq", "8192"]) == 0
     out = capsys.readouterr().out
     assert "reference measured" in out and "4.731 GB" in out
+    assert "the reference: Megatron Bridge's own re-gather, LoRA(sequence_parallel_input_regather=True)" in out
     assert "[regather-recompute]" in out and "8.422 GB" in out and "8.456 GB" in out
     assert "kept: 1 x linear_qkv: input_layernorm: it keeps nothing for its backward" in out
     assert cli.main(["estimate", "--spec", "local", "--model", "qwen3-8b", "--input-requires-grad", "--json",

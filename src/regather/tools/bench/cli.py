@@ -27,6 +27,7 @@ from regather.megatron.canonical import CANONICAL_TARGETS
 from regather.tools.bench.moe import DEFAULT_VARIANTS, DISPATCHERS, MoEBenchSpec
 from regather.tools.bench.runner import DEFAULT_TARGETS, BenchSpec
 from regather.tools.bench.titan import TITAN_TARGETS, TitanBenchSpec
+from regather.tools.cmdline import HelpFormatter, non_negative, positive
 from regather.tools.shapes import EXPERT_KINDS
 
 
@@ -52,29 +53,29 @@ def register(subparsers) -> None:
     d = BenchSpec()
     p = subparsers.add_parser(
         "bench", help="measure retained bytes, communication, step time and parity per strategy",
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("model (default: tiny)")
-    g.add_argument("--hidden", type=int, default=d.hidden)
-    g.add_argument("--layers", type=int, default=d.layers)
-    g.add_argument("--heads", type=int, default=d.heads)
-    g.add_argument("--kv-heads", type=int, default=None, help="query groups (GQA); default = heads")
-    g.add_argument("--ffn", type=int, default=d.ffn)
-    g.add_argument("--vocab", type=int, default=d.vocab)
+    g.add_argument("--hidden", type=positive, default=d.hidden)
+    g.add_argument("--layers", type=positive, default=d.layers)
+    g.add_argument("--heads", type=positive, default=d.heads)
+    g.add_argument("--kv-heads", type=positive, default=None, help="query groups (GQA); default = heads")
+    g.add_argument("--ffn", type=positive, default=d.ffn)
+    g.add_argument("--vocab", type=positive, default=d.vocab)
     g = p.add_argument_group("run")
-    g.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size = ranks spawned")
-    g.add_argument("--seq", type=int, default=d.seq)
-    g.add_argument("--micro-batch", type=int, default=d.micro_batch)
+    g.add_argument("--tp", type=positive, default=d.tp, help="tensor-parallel size = ranks spawned")
+    g.add_argument("--seq", type=positive, default=d.seq)
+    g.add_argument("--micro-batch", type=positive, default=d.micro_batch)
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype)
-    g.add_argument("--lora-rank", type=int, default=d.lora_rank)
-    g.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
+    g.add_argument("--lora-rank", type=positive, default=d.lora_rank)
+    g.add_argument("--lora-alpha", type=positive, default=d.lora_alpha)
     g.add_argument("--targets", type=_targets, default=None,
                    help=f"comma list (default: {','.join(DEFAULT_TARGETS)}; with --canonical: "
                         f"{','.join(CANONICAL_TARGETS)}; with --torchtitan: {','.join(TITAN_TARGETS)})")
     g.add_argument("--canonical", action="store_true",
                    help="regather.CanonicalLoRA (one adapter per q, k, v, gate, up) on a gated SwiGLU GPT; reports "
                         "the q/k/v and gate/up adapter inputs beside Megatron Bridge's CanonicalLoRA (5 x_full a layer)")
-    g.add_argument("--steps", type=int, default=d.steps, help="steps per strategy (interleaved)")
-    g.add_argument("--warmup", type=int, default=d.warmup, help="first steps left out of the time median")
+    g.add_argument("--steps", type=positive, default=d.steps, help="steps per strategy (interleaved)")
+    g.add_argument("--warmup", type=non_negative, default=d.warmup, help="first steps left out of the time median")
     g.add_argument("--strategies", type=_strategies, default=None,
                    help="comma list (default: all this build implements); gather is always included")
     g.add_argument("--input-requires-grad", action="store_true",
@@ -94,14 +95,14 @@ def register(subparsers) -> None:
                    help="SequentialMLP (an adapter per expert) or TEGroupedMLP on the TE stand-ins")
     m.add_argument("--per-expert", action="store_true",
                    help="grouped experts: one LoRA pair per local expert (share_expert_adapters=False)")
-    m.add_argument("--ep", type=int, default=dm.ep, help="expert-parallel size")
-    m.add_argument("--etp", type=int, default=dm.etp, help="expert tensor-parallel size")
+    m.add_argument("--ep", type=positive, default=dm.ep, help="expert-parallel size")
+    m.add_argument("--etp", type=positive, default=dm.etp, help="expert tensor-parallel size")
     m.add_argument("--dispatcher", choices=DISPATCHERS, default=dm.dispatcher)
-    m.add_argument("--num-experts", type=int, default=dm.num_experts)
-    m.add_argument("--topk", type=int, default=dm.topk)
-    m.add_argument("--moe-ffn", type=int, default=dm.moe_ffn, help="each expert's ffn hidden size")
-    m.add_argument("--shared-expert-ffn", type=int, default=dm.shared_expert_ffn, help="0: no shared expert")
-    m.add_argument("--moe-layer-freq", type=int, default=dm.moe_layer_freq,
+    m.add_argument("--num-experts", type=positive, default=dm.num_experts)
+    m.add_argument("--topk", type=positive, default=dm.topk)
+    m.add_argument("--moe-ffn", type=positive, default=dm.moe_ffn, help="each expert's ffn hidden size")
+    m.add_argument("--shared-expert-ffn", type=non_negative, default=dm.shared_expert_ffn, help="0: no shared expert")
+    m.add_argument("--moe-layer-freq", type=positive, default=dm.moe_layer_freq,
                    help="every n-th layer is MoE, the others dense (--ffn)")
     t = p.add_argument_group("torchtitan (--torchtitan; ranks = tp)")
     t.add_argument("--torchtitan", action="store_true",
@@ -131,19 +132,21 @@ def spec_from_args(args) -> BenchSpec:
     only_moe += [f"--{n.replace('_', '-')}" for n in _MOE_OPTIONS if getattr(args, n, None) != getattr(dm, n, False)]
     if only_moe:
         raise SystemExit(f"regather bench: {', '.join(only_moe)}: MoE models only (--moe)")
-    if args.steps <= args.warmup:
-        raise SystemExit(f"regather bench: --steps ({args.steps}) must exceed --warmup ({args.warmup})")
     targets = args.targets
     if targets is None:
         targets = CANONICAL_TARGETS if args.canonical else DEFAULT_TARGETS
     elif isinstance(targets, str):
         targets = _targets(targets)
-    return BenchSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, vocab=args.vocab,
+    spec = BenchSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, vocab=args.vocab,
                      kv_heads=args.kv_heads, tp=args.tp, seq=args.seq, micro_batch=args.micro_batch,
                      dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                      targets=tuple(targets), canonical=args.canonical,
                      steps=args.steps, warmup=args.warmup, strategies=tuple(args.strategies or ()),
                      timeout=args.timeout, quiet=args.quiet, input_requires_grad=args.input_requires_grad)
+    problems = spec.problems()
+    if problems:
+        raise SystemExit("regather bench: " + "; ".join(problems))
+    return spec
 
 
 # the --moe options (--per-expert: share_expert_adapters=False), in the order the refusal names them

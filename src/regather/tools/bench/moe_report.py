@@ -158,7 +158,7 @@ def text_table(summary: dict) -> str:
     lines += report.text_rows(*comm_rows(summary))
     lines += ["", "step time (slowest rank) and parity (max over ranks and steps):"]
     lines += report.text_rows(*time_rows(summary))
-    return "\n".join(lines + [""] + notes(summary))
+    return "\n".join(lines + [""] + report.wrapped(notes(summary)))
 
 
 def spec_line(spec: dict, world: int) -> str:

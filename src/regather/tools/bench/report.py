@@ -16,13 +16,13 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all"
 
 def environment() -> dict:
     """Hardware and software the run used."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
 
-    try:
-        import megatron.core
-
-        megatron = getattr(megatron.core, "__version__", "unknown")
-    except Exception:
+    try:  # the installed distribution's version: importing megatron.core would print its warnings
+        megatron = version("megatron-core")
+    except PackageNotFoundError:
         megatron = "not installed"
     cpu = platform.processor() or platform.machine()
     try:
@@ -143,14 +143,38 @@ def ratio_cell(r: dict, what: str) -> str:
     return f"{r[f'step_time_ratio_vs_{what}']:.3f} / {r[f'paired_step_time_ratio_vs_{what}']:.3f}"
 
 
-def text_rows(head: list[str], rows: list[list[str]]) -> list[str]:
-    """An aligned terminal table: first column left, the others right, a dashed rule under the head."""
+#: Columns the terminal output fits in; bench.md (``--out``) and bench.json carry every table whole.
+WIDTH = 120
+
+
+def text_rows(head: list[str], rows: list[list[str]], width: int = WIDTH) -> list[str]:
+    """An aligned terminal table: first column left, the others right, a dashed rule under the head.
+    Columns that would run past ``width`` continue in a table below, which repeats the first column."""
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    blocks, used = [[0]], widths[0]
+    for i in range(1, len(head)):
+        if used + 2 + widths[i] > width and len(blocks[-1]) > 1:
+            blocks.append([0])
+            used = widths[0]
+        blocks[-1].append(i)
+        used += 2 + widths[i]
 
-    def line(cells):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    def line(cells, cols):
+        return "  ".join(cells[i].ljust(widths[i]) if i == 0 else cells[i].rjust(widths[i]) for i in cols)
 
-    return [line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
+    out: list[str] = []
+    for cols in blocks:
+        out += ([""] if out else []) + [line(head, cols), "  ".join("-" * widths[i] for i in cols)]
+        out += [line(r, cols) for r in rows]
+    return out
+
+
+def wrapped(lines: list[str], width: int = WIDTH) -> list[str]:
+    """Notes for the terminal: each one wrapped at ``width``, its continuation lines indented."""
+    import textwrap
+
+    return [part for text in lines for part in textwrap.wrap(text, width, subsequent_indent="    ",
+                                                             break_long_words=False, break_on_hyphens=False) or [""]]
 
 
 def markdown_rows(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -160,16 +184,11 @@ def markdown_rows(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def text_table(summary: dict) -> str:
-    cells = [HEADER] + rows(summary)
-    widths = [max(len(r[i]) for r in cells) for i in range(len(HEADER) - 1)]  # adapters: listed below
-    lines = []
-    for j, r in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    lines.append("adapters running each strategy: " + "; ".join(f"{r[0]}: {r[-1]}" for r in rows(summary)))
+    cells = rows(summary)
+    lines = text_rows(HEADER[:-1], [r[:-1] for r in cells])  # adapters: listed below
+    lines += ["", "adapters running each strategy:"] + wrapped([f"{r[0]}: {r[-1]}" for r in cells])
     if summary.get("canonical_inputs"):
-        lines += [""] + canonical_lines(summary)
+        lines += [""] + wrapped(canonical_lines(summary))
     return "\n".join(lines)
 
 

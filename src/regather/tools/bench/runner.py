@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from regather.megatron.lora import DEFAULT_TARGETS
-from regather.tools.shapes import ModelShape, RunShape, shape_fields
+from regather.tools.shapes import ModelShape, RunShape, shape_fields, tp_problems
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,13 @@ class BenchSpec(ModelShape, RunShape):
     # regather.CanonicalLoRA on a gated SwiGLU GPT (its targets are CANONICAL_TARGETS): the
     # q/k/v and gate/up adapter inputs are reported beside Bridge's CanonicalLoRA (canonical_inputs)
     canonical: bool = False
+
+    def problems(self) -> list[str]:
+        """Every reason this spec cannot run (empty: it can)."""
+        out = tp_problems(self, self.tp, self.seq, self.sp)
+        if self.steps <= self.warmup:
+            out.append(f"--steps ({self.steps}) must exceed --warmup ({self.warmup})")
+        return out
 
     def run_config(self):
         from regather.tools.cpu.models import TinyGPT

@@ -114,10 +114,10 @@ def text_table(summary: dict) -> str:
     lines = [f"saved in the first forward per rank, {unit} ({what}):"]
     lines += report.text_rows(*bytes_rows(summary))
     lines += ["", f"communication of the first step per rank, {unit}:"]
-    lines += [NOT_COUNTED] if _compiled(summary) else report.text_rows(*comm_rows(summary))
+    lines += report.wrapped([NOT_COUNTED]) if _compiled(summary) else report.text_rows(*comm_rows(summary))
     lines += ["", "step time (slowest rank) and parity with torchtitan's LoRA:"]
     lines += report.text_rows(*time_rows(summary))
-    return "\n".join(lines + [""] + notes(summary))
+    return "\n".join(lines + [""] + report.wrapped(notes(summary)))
 
 
 def spec_line(spec: dict) -> str:

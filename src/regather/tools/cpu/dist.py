@@ -58,6 +58,7 @@ from regather.tools.cpu import rank_progress
 
 #: What the forkserver imports once for every rank it forks (a module missing here is skipped).
 PRELOAD = (
+    "regather.tools.cpu.quiet",  # first: its warning filters before megatron's import-time warnings
     "torch", "torch.distributed", "torch.multiprocessing",
     "megatron.core", "megatron.core.parallel_state", "megatron.core.tensor_parallel",
     "megatron.core.models.gpt", "megatron.core.transformer.transformer_config",
@@ -182,10 +183,11 @@ def _rank_main(fn, rank, world_size, init_file, out_dir, pg_timeout_s, launcher_
     import torch
     import torch.distributed as dist
 
+    from regather.tools.cpu.quiet import quiet_rank
+
+    quiet_rank()
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*Apex.*")
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")

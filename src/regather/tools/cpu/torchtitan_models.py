@@ -347,11 +347,11 @@ def step(model, count: bool | str = "all", dtype=None, shape: TinyLlama3 = DEFAU
     # counter's dispatch mode and patched functions and the saved-tensor hooks would make Dynamo
     # recompile them (and refuse, under a mode)
     full = count == "all"
-    alloc = AllocatedBytes(settle_collectives=True)
+    alloc = AllocatedBytes(settle_collectives=True, hold_collective_tensors=full)
     fwd, bwd, saved = CollectiveBytes(functional=True), CollectiveBytes(functional=True), SavedBytes.for_model(model)
     with train_context():
         try:
-            # the allocator's region outermost: its closing barrier is not counted by fwd
+            # the allocator's region outermost: its closing drain all-reduces are not counted by fwd
             with alloc if count else contextlib.nullcontext():
                 with fwd if full else contextlib.nullcontext(), saved if full else contextlib.nullcontext():
                     pred = model(inp, pos)

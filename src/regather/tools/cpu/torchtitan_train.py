@@ -140,7 +140,8 @@ def _warm(model, run: TitanRun) -> int:
     allocator's bytes alive at the end of the last one's forward; gradients reset."""
     if run.compile:
         M.step(model, count=False, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
-    _, _, comm = M.step(model, count="allocator", dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
+    _, _, comm = M.step(model, count="allocator" if run.compile else "all", dtype=run.torch_dtype, shape=run.shape,
+                        seed=run.seed)
     for p in model.parameters():
         p.grad = None
     return comm["alive"]
@@ -156,29 +157,25 @@ def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[
 
     pd = M.parallel_dims(tp=run.tp)
     frozen = run.build(None, pd)
-    # where the allocator's bytes are the count (a checkpoint, a compiled graph), the first step is not
-    # counted (the compiler's own allocations, one-off buffers), and the count is the smaller of a
-    # second step's and step 0's (a gloo work object may free its block late)
-    warm = run.compile or run.ac != "none"
+    # the allocator's bytes are the smaller of an uncounted first step's and step 0's: under a
+    # checkpoint or a compiled graph the first step holds one-off buffers (the compiler's own), and
+    # a gloo worker still holding a finished collective can only add bytes (regather.core.allocated)
     if run.compile:
         import torch._dynamo
 
         # every variant's blocks compile in this one process: Dynamo's per-frame limit (8) is not enough
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * (len(variants) + 1))
-    warm_alive = {}  # the allocator's bytes of an uncounted step: the count is the smaller of it and step 0's
-    if warm:
-        warm_alive["frozen"] = _warm(frozen, run)
+    warm_alive = {"frozen": _warm(frozen, run)}  # an uncounted step's allocator bytes
     _, saved, comm = M.step(frozen, count="allocator" if run.compile else "all", dtype=run.torch_dtype,
                             shape=run.shape, seed=run.seed)
     out = {"frozen": {"saved_bytes": saved.total if saved else None,
                       "saved_bytes_by_label": saved.by_label() if saved else {},
-                      "allocated_bytes": min(comm["alive"], warm_alive.get("frozen", comm["alive"]))}}
+                      "allocated_bytes": min(comm["alive"], warm_alive["frozen"])}}
     del frozen
     models = {name: run.build(name, pd) for name in variants}
     opts = {name: optimizers(model, run.lr) for name, model in models.items()}
-    if warm:
-        for name, model in models.items():
-            warm_alive[name] = _warm(model, run)
+    for name, model in models.items():
+        warm_alive[name] = _warm(model, run)
     for name in variants:
         out[name] = {"loss": [], "step_time": []}
     for step in range(run.steps):
@@ -190,7 +187,7 @@ def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[
             t0 = time.perf_counter()
             if step == 0:
                 loss, counts = _counted(model, opts[name], run, step)
-                counts["allocated_bytes"] = min(counts["allocated_bytes"], warm_alive.get(name, counts["allocated_bytes"]))
+                counts["allocated_bytes"] = min(counts["allocated_bytes"], warm_alive[name])
                 res.update(counts)
             else:
                 loss = _timed(model, opts[name], run, step)

@@ -38,9 +38,11 @@ finding is testable without GPUs. One module per concern:
 - :mod:`.environment` — the allocator / NCCL / offloading rows
 - :mod:`.rules`       — every adapter's decision from the eligibility and producer rules
 - :mod:`.built`       — ``--build``: the tiny GPT built on CPU gloo ranks, its adapters asked
-- :mod:`.savings`     — the bytes re-gathering and recompute save, and what re-dispatch would free
+- :mod:`.savings`     — the bytes each adapter's decision keeps against the gather path (estimate's, per
+  adapter), and what re-dispatch would free
 - :mod:`.te_gradient` — the Transformer Engine rule: a gathered LayerNorm output's lost gradient
 - :mod:`.findings`    — the adapter findings and their fixes; :func:`diagnose`
+- :mod:`.summary`     — what the run saves per adapter kind and why the rest does not, beside estimate's figure
 - :mod:`.cli`         — ``regather doctor``
 """
 
@@ -56,19 +58,45 @@ from regather.tools.doctor.rules import (
     requested_strategy,
 )
 from regather.tools.doctor.savings import (
+    dense_bytes,
     expert_estimate,
     expert_layer_bytes,
     is_expert,
-    per_adapter_saving,
     redispatch_finding,
     saving_finding,
+    savings,
 )
 from regather.tools.doctor.setup import LEVELS, MOE_EXPERTS, Finding, Setup, shares_expert_lora
+from regather.tools.doctor.summary import summary
 
 __all__ = [
-    "LEVELS", "MOE_EXPERTS", "Finding", "Setup", "activation_name", "adapter_findings", "alloc_conf",
-    "analytic_decisions", "build_rank", "built_decisions", "config_namespace", "cpu_cannot_run", "describe",
-    "diagnose", "env_findings", "expandable_segments", "expert_estimate", "expert_layer_bytes", "is_expert",
-    "moe_static_reason", "nccl_ub_enabled", "per_adapter_saving", "recompute_part", "redispatch_finding",
-    "requested_strategy", "saving_finding", "shares_expert_lora",
+    "LEVELS",
+    "MOE_EXPERTS",
+    "Finding",
+    "Setup",
+    "activation_name",
+    "adapter_findings",
+    "alloc_conf",
+    "analytic_decisions",
+    "build_rank",
+    "built_decisions",
+    "config_namespace",
+    "cpu_cannot_run",
+    "dense_bytes",
+    "describe",
+    "diagnose",
+    "env_findings",
+    "expandable_segments",
+    "expert_estimate",
+    "expert_layer_bytes",
+    "is_expert",
+    "moe_static_reason",
+    "nccl_ub_enabled",
+    "recompute_part",
+    "redispatch_finding",
+    "requested_strategy",
+    "saving_finding",
+    "savings",
+    "shares_expert_lora",
+    "summary",
 ]

@@ -35,6 +35,25 @@ def describe(d: Mapping) -> str:
     return text
 
 
+def level_and_fix(d: Mapping) -> tuple[str, str | None]:
+    """An adapter decision's finding level (``warning`` for a fallback that is not by design) and fix."""
+    kept = d.get("recompute_reason")
+    if d["reason"] is None and kept is None:
+        return "info", None
+    expected = d["reason"] is None or d["reason"].startswith(_BY_DESIGN) or "expert" in d["reason"]
+    fix = None if expected else _fix_for_reason(d["reason"])
+    if kept is not None:
+        kept_expected = not kept.startswith(_UNEXPECTED_KEPT) and "bit for bit" not in kept
+        expected = expected and kept_expected
+        fix = fix or _fix_for_kept(kept)
+    return ("info" if expected else "warning"), fix
+
+
+def fix_for(d: Mapping) -> str | None:
+    """What to change so that this adapter saves (None where nothing is to change)."""
+    return level_and_fix(d)[1]
+
+
 def adapter_findings(setup: Setup, decisions: Mapping[str, Mapping]) -> list[Finding]:
     out = []
     for path in sorted(decisions, key=_natural):
@@ -43,12 +62,7 @@ def adapter_findings(setup: Setup, decisions: Mapping[str, Mapping]) -> list[Fin
         if d["reason"] is None and kept is None:
             out.append(Finding("adapter", "info", f"{path}: {describe(d)}"))
             continue
-        expected = d["reason"] is None or d["reason"].startswith(_BY_DESIGN) or "expert" in d["reason"]
-        fix = None if expected else _fix_for_reason(d["reason"])
-        if kept is not None:
-            kept_expected = not kept.startswith(_UNEXPECTED_KEPT) and "bit for bit" not in kept
-            expected = expected and kept_expected
-            fix = fix or _fix_for_kept(kept)
+        level, fix = level_and_fix(d)
         if d["reason"] is None:
             message = f"{path}: {describe(d)}"
         else:
@@ -57,7 +71,7 @@ def adapter_findings(setup: Setup, decisions: Mapping[str, Mapping]) -> list[Fin
                 f"; input recomputed from {d['recompute']}" if d.get("recompute") else "")
         if d.get("recompute_reason_from_rules"):
             message += f" [from the rules: {d['recompute_reason_from_rules']}]"
-        out.append(Finding("adapter", "info" if expected else "warning", message, fix))
+        out.append(Finding("adapter", level, message, fix))
     column = [p for p in decisions if p.rsplit(".", 1)[-1] in ELIGIBLE_BASES]
     if setup.strategy == "gather" and setup.sp and setup.tp > 1 and column and not setup.moe:
         out.append(Finding(

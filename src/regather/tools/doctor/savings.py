@@ -1,12 +1,13 @@
-"""``regather doctor``'s byte findings: what re-gathering and recompute save, and what re-dispatch would free.
+"""``regather doctor``'s byte findings: what this run's adapters keep for LoRA-A against the gather path, and
+what re-dispatch would free.
 
-The saving uses :func:`regather.tools.estimate.adapter_input_bytes` (``s*b*h*e`` on
-the gather path against ``s*b*h*e/t`` when re-gathering, i.e.
-``s*b*h*e*(t-1)/t`` per adapter and micro-batch in flight), counted only for
-the adapters whose decision is not the gather path; plus, per recomputing adapter,
-its ``x_local`` (qkv/fc1) or its input ``s*b*ffn/t*e`` (fc2); plus, per MoE layer whose
-expert fc1 / fc2 adapters recompute, :func:`regather.tools.estimate.expert_inputs`' exact bytes
-(``R*h*e`` / ``R*(moe_ffn/ETP)*e``, ``R = T*k*ETP`` routed rows: the mean over the EP x ETP group).
+The bytes are :mod:`regather.tools.estimate`'s, adapter by adapter: for each adapter the doctor's decision
+picks the estimate row of the strategy it uses (``-recompute`` where its input is rebuilt) in its layer
+(:func:`regather.tools.estimate.adapter_inputs`, on the setup's spec: ``te`` or ``local``), against the gather
+path's row; a MoE layer whose expert fc1 / fc2 adapters recompute frees
+:func:`regather.tools.estimate.expert_inputs`' exact bytes (``R*h*e`` / ``R*(moe_ffn/ETP)*e``, ``R = T*k*ETP``
+routed rows: the mean over the EP x ETP group). Where every decision is the one estimate models, the total is
+``regather estimate``'s ``saved vs gather`` for the same strategy and arguments, byte for byte (tested).
 """
 
 from __future__ import annotations
@@ -15,54 +16,56 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
-from regather.megatron.reasons import ELIGIBLE_BASES, REDISPATCH_OPT_IN, REPLAYED_DISPATCHERS
+from regather.megatron.reasons import REDISPATCH_OPT_IN, REPLAYED_DISPATCHERS
 from regather.tools.doctor.rules import analytic_decisions
 from regather.tools.doctor.setup import Finding, Setup
-from regather.tools.shapes import DTYPE_BYTES, ModelShape, RunShape, shape_fields
+from regather.tools.shapes import ModelShape, RunShape, shape_fields
 
 # where doctor says its byte counts come from (its output names the function: keep the text)
 _ESTIMATE = "regather.tools.estimate"
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 def expert_estimate(setup: Setup):
-    """``(Model, Run)`` for :mod:`regather.tools.estimate` from this setup's shapes (a flex dispatcher:
-    the alltoall one, for bytes, which do not depend on it)."""
+    """``(Model, Run)`` for :mod:`regather.tools.estimate` from this setup's shapes, spec and attention
+    (a flex dispatcher: the alltoall one, for bytes, which do not depend on it)."""
     from regather.tools import estimate as est
 
-    model = est.Model(name="doctor", **shape_fields(ModelShape, setup))
+    model = est.Model(name=setup.model_name, **shape_fields(ModelShape, setup))
     if model.dispatcher not in REPLAYED_DISPATCHERS:
         model = dataclasses.replace(model, dispatcher="alltoall")
-    return model, est.Run(**shape_fields(RunShape, setup))
+    return model, est.Run(**shape_fields(RunShape, setup), spec=setup.spec,
+                          attention_keeps_output=setup.attention_keeps_output)
 
 
-def _dense_estimate(setup: Setup, target: str):
-    """``(Model, Run)`` of one dense layer with one adapter on ``target``."""
+def _variant(d: Mapping) -> str:
+    """The estimate row an adapter's decision reads: the strategy it uses, ``-recompute`` when its input
+    is rebuilt."""
+    from regather.tools.estimate import RECOMPUTE
+
+    return d["used"] + (RECOMPUTE if d.get("recompute") else "")
+
+
+def dense_bytes(setup: Setup, decisions: Mapping[str, Mapping]) -> dict[str, tuple[int, int]]:
+    """Per dense adapter (not an expert's): ``(bytes the gather path keeps, bytes this decision keeps)``
+    for LoRA-A per GPU, all micro-batches in flight (:func:`regather.tools.estimate.adapter_inputs`)."""
+    from regather.tools.estimate import adapter_inputs
+
     model, run = expert_estimate(setup)
-    return (dataclasses.replace(model, layers=1, num_experts=0),
-            dataclasses.replace(run, targets=(target,), pp=1, ep=1, etp=1, input_requires_grad=False))
+    rows: dict[str, list] = {}
 
+    def kept(variant: str, layer: int, target: str) -> int:
+        if variant not in rows:
+            rows[variant] = adapter_inputs(model, run, variant)
+        return next((a.kept_bytes for a in rows[variant][layer] if a.target == target), 0) * setup.in_flight
 
-def per_adapter_saving(setup: Setup, target: str = "linear_qkv") -> tuple[int, str]:
-    """Bytes one re-gathering adapter saves per GPU (all micro-batches in flight), and how it was computed."""
-    try:
-        from regather.tools import estimate as est
-    except ImportError:
-        est = None
-    t, e = setup.tp, DTYPE_BYTES[setup.dtype]
-    if est is not None:
-        model, run = _dense_estimate(setup, target)
-        saved = est.adapter_input_bytes(model, run, "gather")[target] - est.adapter_input_bytes(
-            model, run, "regather")[target]
-        return saved, f"{_ESTIMATE}.adapter_input_bytes (gather minus regather)"
-    saved = setup.seq * setup.micro_batch * setup.hidden * e * (t - 1) // t * setup.in_flight
-    return saved, f"s*b*h*e*(t-1)/t per adapter and micro-batch in flight ({_ESTIMATE} not available)"
-
-
-def _bytes_of(setup: Setup, target: str, strategy: str) -> int:
-    """One adapter's kept input bytes per GPU (all micro-batches in flight) under ``strategy``."""
-    from regather.tools import estimate as est
-
-    return est.adapter_input_bytes(*_dense_estimate(setup, target), strategy).get(target, 0)
+    out = {}
+    for path, d in decisions.items():
+        if is_expert(setup, path):
+            continue
+        layer, target = int(_LAYER.search(path).group(1)), path.rsplit(".", 1)[-1]
+        out[path] = kept("gather", layer, target), kept(_variant(d), layer, target)
+    return out
 
 
 def is_expert(setup: Setup, path: str) -> bool:
@@ -70,7 +73,7 @@ def is_expert(setup: Setup, path: str) -> bool:
     return setup.moe and path.rsplit(".", 1)[-1] in ("linear_fc1", "linear_fc2") and ".shared_experts." not in path
 
 
-def _moe_layer(path: str) -> str:
+def moe_layer(path: str) -> str:
     """The MoE layer an expert adapter's path belongs to (SequentialMLP's experts share it)."""
     return re.sub(r"\.local_experts\.\d+", "", path).rsplit(".", 1)[0]
 
@@ -87,56 +90,94 @@ def expert_layer_bytes(setup: Setup) -> dict[str, int]:
 
 
 def _recomputing_expert_layers(setup: Setup, decisions: Mapping[str, Mapping], name: str) -> set:
-    return {_moe_layer(p) for p, d in decisions.items()
+    return {moe_layer(p) for p, d in decisions.items()
             if d.get("recompute") and is_expert(setup, p) and p.endswith(name)}
 
 
-def _expert_saving(setup: Setup, decisions: Mapping[str, Mapping]) -> tuple[int, str]:
-    """Bytes the recomputing expert adapters free, per MoE layer and linear, and how."""
+def _expert_saving(setup: Setup, decisions: Mapping[str, Mapping]) -> tuple[dict[str, int], str]:
+    """Bytes the recomputing expert adapters free, by linear (``linear_fc1`` / ``linear_fc2``: per MoE layer
+    whose adapters recompute, :func:`expert_layer_bytes`), and how."""
     from regather.tools.estimate import routed_rows
 
     layers = {n: len(_recomputing_expert_layers(setup, decisions, n)) for n in ("linear_fc1", "linear_fc2")}
     if not any(layers.values()):
-        return 0, ""
+        return {}, ""
     try:
         per, rows = expert_layer_bytes(setup), routed_rows(*expert_estimate(setup))
     except ValueError as exc:  # a layout estimate refuses: say so instead of guessing
-        return 0, (f"; expert fc1 inputs recomputed in {layers['linear_fc1']} MoE layer(s) and fc2 inputs in "
-                   f"{layers['linear_fc2']}, not counted: {exc}")
-    total = sum(n * per.get(name, 0) for name, n in layers.items())
-    return total, (f" + {layers['linear_fc1']} MoE layer(s) of expert fc1 inputs x {per.get('linear_fc1', 0):,} bytes "
+        return {}, (f"expert fc1 inputs recomputed in {layers['linear_fc1']} MoE layer(s) and fc2 inputs in "
+                    f"{layers['linear_fc2']}, not counted: {exc}")
+    freed = {name: n * per.get(name, 0) for name, n in layers.items()}
+    return freed, (f"{layers['linear_fc1']} MoE layer(s) of expert fc1 inputs x {per.get('linear_fc1', 0):,} bytes "
                    f"(R*h*e) + {layers['linear_fc2']} of expert fc2 inputs x {per.get('linear_fc2', 0):,} bytes "
                    f"(R*moe_ffn/ETP*e), R = T*k*ETP = {rows} routed rows per GPU (mean over the EP x ETP group)")
 
 
+def savings(setup: Setup, decisions: Mapping[str, Mapping]) -> dict:
+    """What this run's adapters keep for LoRA-A per GPU against the gather path: ``gather`` and ``kept``
+    bytes in all, ``by_kind`` (``{kind: {"adapters", "gather", "saved"}}``, kinds ``linear_qkv`` ...
+    and ``experts.linear_fc1`` / ``experts.linear_fc2``), ``per_adapter`` (dense adapters: path ->
+    saved bytes) and ``experts_note`` (how the expert bytes were counted, or why they were not)."""
+    from regather.tools.estimate import adapter_input_bytes
+
+    by_kind: dict[str, dict] = {}
+    per_adapter = {}
+    try:
+        dense = dense_bytes(setup, decisions)
+    except ValueError as exc:  # a layout estimate refuses (the command refuses it before): say so, count nothing
+        return {"gather": 0, "kept": 0, "saved": 0, "by_kind": {}, "per_adapter": {}, "experts_note": "",
+                "refused": str(exc)}
+    for path, (gather, kept) in dense.items():
+        kind = by_kind.setdefault(path.rsplit(".", 1)[-1], {"adapters": 0, "gather": 0, "saved": 0})
+        kind["adapters"] += 1
+        kind["gather"] += gather
+        kind["saved"] += gather - kept
+        per_adapter[path] = gather - kept
+    note = ""
+    if setup.moe:
+        try:
+            gathered = adapter_input_bytes(*expert_estimate(setup), "gather")
+        except ValueError as exc:  # a layout estimate refuses: say so instead of guessing
+            gathered, note = {}, f"expert inputs not counted: {exc}"
+        freed, how = _expert_saving(setup, decisions) if gathered else (0, "")
+        note = note or how
+        for kind in ("experts.linear_fc1", "experts.linear_fc2"):
+            if kind in gathered:
+                name = kind.split(".", 1)[1]
+                paths = [p for p in decisions if is_expert(setup, p) and p.endswith(name)]
+                by_kind[kind] = {"adapters": len(paths), "gather": gathered[kind], "saved": freed.get(name, 0)}
+    gather = sum(k["gather"] for k in by_kind.values())
+    saved = sum(k["saved"] for k in by_kind.values())
+    return {"gather": gather, "kept": gather - saved, "saved": saved, "by_kind": by_kind, "per_adapter": per_adapter,
+            "experts_note": note, "refused": None}
+
+
+def gb(n: int) -> str:
+    """Bytes as ``regather estimate`` prints them (decimal GB and GiB); under 10 MB (the tiny GPT's) as bytes
+    and KiB, which GB would round to 0."""
+    from regather.tools.estimate.report import gb as estimate_gb
+
+    return estimate_gb(n) if abs(n) >= 10**7 else f"{n:,} bytes ({n / 1024:,.2f} KiB)"
+
+
 def saving_finding(setup: Setup, decisions: Mapping[str, Mapping]) -> Finding:
-    """Re-gathering adapters save x_full - x_local each; with recompute_adapter_inputs, a
-    recomputing qkv/fc1 adapter saves its x_local too (x_full in all), a recomputing fc2
-    adapter its input ``s*b*ffn/t*e``, and each MoE layer whose expert adapters recompute its
-    expert inputs (:func:`expert_layer_bytes`) — regather.tools.estimate's bytes."""
-    local = [p for p, d in decisions.items() if d["used"] != "gather"]
-    per, how = per_adapter_saving(setup)
-    total = per * len(local)
-    text = (f"estimated LoRA-A input memory saved per GPU: {{total}} = {len(local)} re-gathering adapter(s) x "
-            f"{per:,} bytes")
-    recomputing = [p for p, d in decisions.items() if d.get("recompute") and not is_expert(setup, p)]
-    col = [p for p in recomputing if p.rsplit(".", 1)[-1] in ELIGIBLE_BASES]
-    fc2 = [p for p in recomputing if p.rsplit(".", 1)[-1] == "linear_fc2"]
+    """The bytes :func:`savings` counts, by adapter kind, with how they were counted."""
+    s = savings(setup, decisions)
+    if s["refused"]:
+        return Finding("saving", "info", f"LoRA-A input bytes not estimated: {s['refused']}")
+    kinds = ", ".join(f"{kind} {k['saved']:,} ({k['adapters']} adapter(s))" for kind, k in s["by_kind"].items()
+                      if k["saved"])
+    big = f" = {gb(s['saved'])}" if s["saved"] >= 10**7 else ""
+    text = (f"estimated LoRA-A input memory saved per GPU: {s['saved']:,} bytes{big}, of "
+            f"{s['gather']:,} bytes the gather path keeps" + (f"; by kind: {kinds}" if kinds else "")
+            + (f"; {s['experts_note']}" if s["experts_note"] else ""))
     if setup.recompute_adapter_inputs:
-        x_local = _bytes_of(setup, "linear_qkv", "regather")
-        fc2_in = _bytes_of(setup, "linear_fc2", "gather")
-        total += len(col) * x_local + len(fc2) * fc2_in
         kept = sum(1 for d in decisions.values() if d.get("recompute_reason"))
-        text += (f" + {len(col)} recomputed qkv/fc1 input(s) x {x_local:,} bytes (x_local) + {len(fc2)} recomputed "
-                 f"fc2 input(s) x {fc2_in:,} bytes (s*b*ffn/t*e)")
-        experts, expert_text = _expert_saving(setup, decisions)
-        total += experts
-        text += f"{expert_text}; {kept} adapter(s) keep their input"
-    text = text.replace("{total}", f"{total:,} bytes ({total / 2**30:.3f} GiB)")
+        text += f"; {kept} adapter(s) keep their input"
     return Finding(
         "saving", "info",
-        f"{text} [{how}; s={setup.seq}, b={setup.micro_batch}, h={setup.hidden}, ffn={setup.ffn}, t={setup.tp}, "
-        f"{setup.dtype}, {setup.in_flight} micro-batch(es) in flight]",
+        f"{text} [{_ESTIMATE}.adapter_inputs per adapter, {setup.spec} spec; s={setup.seq}, b={setup.micro_batch}, "
+        f"h={setup.hidden}, ffn={setup.ffn}, t={setup.tp}, {setup.dtype}, {setup.in_flight} micro-batch(es) in flight]",
     )
 
 

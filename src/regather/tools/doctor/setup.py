@@ -50,6 +50,12 @@ class Setup(ModelShape, RunShape):
     # the LoRA is Megatron Bridge's own (not regather's), and the Transformer Engine version (te_gradient)
     bridge_lora: bool = False
     te_version: str | None = None
+    # what the base linears keep (regather.tools.estimate.spec): "local" (megatron's local spec, what
+    # --build builds) or "te" (Transformer Engine, what Bridge's recipes run: the command's default)
+    spec: str = "local"
+    # the attention keeps its output for its backward (TE's fused attention, flash-attention)
+    attention_keeps_output: bool = False
+    model_name: str = "tiny GPT"  # for the report: a preset's name, or the tiny test GPT
 
 
 def shares_expert_lora(setup: Setup) -> bool:

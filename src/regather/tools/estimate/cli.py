@@ -10,17 +10,15 @@ import argparse
 from dataclasses import replace
 
 from regather.megatron.reasons import ALL_TARGETS, REPLAYED_DISPATCHERS
-from regather.tools.estimate.config import (
-    ALL_STRATEGIES,
-    ATTENTION,
-    BRIDGE_VERSION,
-    EXPERT_LORA,
-    LAYOUTS,
-    PRESETS,
-    RECIPES,
-    SPECS,
-    Model,
-    Run,
+from regather.tools.cmdline import HelpFormatter, non_negative, positive
+from regather.tools.estimate.config import ALL_STRATEGIES, ATTENTION, EXPERT_LORA, LAYOUTS, PRESETS, SPECS, Model, Run
+from regather.tools.estimate.options import (
+    Given,
+    apply_layout,
+    attention,
+    given,
+    recipe_help,
+    recipe_targets,
 )
 from regather.tools.shapes import DTYPE_BYTES
 from regather.torchtitan.options import VARIANTS as TITAN_VARIANTS
@@ -46,50 +44,29 @@ FRONT_ENDS = ("megatron", "torchtitan")
 TITAN_PRESET = "llama3-8b"  # --front-end torchtitan without --model
 
 
-class _Given(argparse.Action):
-    """Stores the value (``const`` for a flag, ``nargs=0``) and records that the option was on the
-    command line (``--recipe`` gives the targets and rank only where they were not, and a named
-    layout refuses a layout option that contradicts it)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
-        namespace.given = frozenset(getattr(namespace, "given", ())) | {self.dest}
-
-
-# a named --recipe's layout fields, as the command line names them
-_LAYOUT_FLAGS = {"tp": "--tp", "sp": "--no-sp", "seq": "--seq", "micro_batch": "--micro-batch"}
-# options a named --recipe fixes to these values (its recipes run PP 1, EP 1)
-_LAYOUT_FIXED = {"pp": ("--pp", 1), "ep": ("--ep", 1), "etp": ("--etp", 1)}
-
-
-def _recipe_lora(recipe) -> str:
-    targets = "all four targets" if set(recipe.targets) == set(ALL_TARGETS) else ",".join(recipe.targets)
-    return f"{targets}, dim {recipe.dim}"
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "estimate", help="analytic LoRA-A input memory and extra communication per strategy",
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=sorted(PRESETS), default="qwen3-8b", action=_Given,
+        description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    p.add_argument("--model", choices=sorted(PRESETS), default="qwen3-8b", action=Given,
                    help="preset (custom sizes override; --front-end torchtitan: default llama3-8b)")
     for flag in ("hidden", "ffn", "layers", "heads", "kv-heads", "head-dim", "experts", "moe-ffn", "topk"):
-        p.add_argument(f"--{flag}", type=int, default=None)
-    p.add_argument("--spec", choices=SPECS, default="te", action=_Given,
+        p.add_argument(f"--{flag}", type=non_negative if flag in ("experts", "ffn") else positive, default=None)
+    p.add_argument("--spec", choices=SPECS, default="te", action=Given,
                    help="what the base linears keep: te = Transformer Engine (transformer_impl=\"transformer_engine\", "
                         "what Bridge's PEFT recipes run: LayerNormLinear keeps its ln_out for LoRA-A, fused attention "
                         "its output; the qkv / fc1 / fc2 rules measured on the TE model on CPU, the rest modelled); "
                         "local = megatron's local spec "
                         "(what regather bench runs)")
-    p.add_argument("--tp", type=int, default=2, action=_Given)
-    p.add_argument("--no-sp", dest="sp", action=_Given, nargs=0, const=False, default=True,
+    p.add_argument("--tp", type=positive, default=2, action=Given)
+    p.add_argument("--no-sp", dest="sp", action=Given, nargs=0, const=False, default=True,
                    help="sequence parallelism off")
-    p.add_argument("--seq", type=int, default=8192, action=_Given)
-    p.add_argument("--micro-batch", type=int, default=1, action=_Given)
-    p.add_argument("--in-flight", type=int, default=1, help="micro-batches alive at once")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (layers per GPU = layers/pp)")
-    p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
-    p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (MoE)")
+    p.add_argument("--seq", type=positive, default=8192, action=Given)
+    p.add_argument("--micro-batch", type=positive, default=1, action=Given)
+    p.add_argument("--in-flight", type=positive, default=1, help="micro-batches alive at once")
+    p.add_argument("--pp", type=positive, default=1, help="pipeline stages (layers per GPU = layers/pp)")
+    p.add_argument("--ep", type=positive, default=1, help="expert parallel size (MoE)")
+    p.add_argument("--etp", type=positive, default=1, help="expert tensor parallel size (MoE)")
     p.add_argument("--expert-lora", choices=EXPERT_LORA, default="shared",
                    help="shared: one LoRA pair for a layer's local experts (grouped experts, share_expert_adapters="
                         "True, Bridge's default); per-expert: one per expert (SequentialMLP, or "
@@ -102,22 +79,16 @@ def register(subparsers) -> None:
     p.add_argument("--grad-dtype", choices=sorted(DTYPE_BYTES), default=None,
                    help="LoRA-A gradient dtype for lowrank's dA all-reduce (default: --dtype; "
                         "float32 with gradient-accumulation fusion)")
-    p.add_argument("--lora-rank", type=int, default=16, action=_Given)
-    p.add_argument("--targets", type=_targets, default=",".join(ALL_TARGETS), action=_Given)
+    p.add_argument("--lora-rank", type=positive, default=16, action=Given)
+    p.add_argument("--targets", type=_targets, default=",".join(ALL_TARGETS), action=Given)
     p.add_argument("--recipe", nargs="?", const=True, default=False, choices=sorted(LAYOUTS), metavar="LAYOUT",
-                   help=f"alone: LoRA targets and dim of the preset's Megatron Bridge {BRIDGE_VERSION} PEFT recipe ("
-                        + "; ".join(f"{k}: {_recipe_lora(r)}" for k, r in sorted(RECIPES.items()))
-                        + "), the layout the command line's. With a LAYOUT, also its model and layout: "
-                        + "; ".join(f"{k}: {_layout_text(v)}" for k, v in LAYOUTS.items())
-                        + " (a --model, --tp, --no-sp, --seq, --micro-batch, --pp, --ep or --etp that contradicts "
-                          "it is refused). --targets and --lora-rank still override. The report then sets the "
-                          "targets beside the recipe's and the reference's")
-    p.add_argument("--attention", choices=ATTENTION, default=None, action=_Given,
+                   help=recipe_help("The report then sets the targets beside the recipe's and the reference's"))
+    p.add_argument("--attention", choices=ATTENTION, default=None, action=Given,
                    help="fused: the attention keeps its output for its backward (flash-attention, TE's fused "
                         "attention), so linear_proj's LoRA-A input is 0 new bytes on every strategy; unfused: "
                         "megatron's local attention (saves probs and V). Default: fused on --spec te, unfused on "
                         "--spec local")
-    p.add_argument("--strategies", default=",".join(ALL_STRATEGIES), action=_Given,
+    p.add_argument("--strategies", default=",".join(ALL_STRATEGIES), action=Given,
                    help="some of " + ", ".join(ALL_STRATEGIES) + " (-recompute: recompute_adapter_inputs=True); "
                         "--front-end torchtitan: some of " + ", ".join(TITAN_VARIANTS))
     p.add_argument("--input-requires-grad", action="store_true",
@@ -138,38 +109,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=main)
 
 
-def _layout_text(layout) -> str:
-    return (f"{PRESETS[layout.preset].name} TP{layout.tp}, SP {'on' if layout.sp else 'off'}, seq {layout.seq}, "
-            f"micro-batch {layout.micro_batch} ({layout.source})")
-
-
-def apply_layout(args) -> None:
-    """``--recipe LAYOUT``: sets the preset and the layout on ``args``; exits naming the values where
-    an option given on the command line contradicts the layout (before anything is estimated)."""
-    name = getattr(args, "recipe", False)
-    if not isinstance(name, str):
-        return
-    layout, given = LAYOUTS[name], _given(args)
-    wrong = [f"--model {args.model} (it is {layout.preset})"] if "model" in given and args.model != layout.preset \
-        else []
-    for field, flag in _LAYOUT_FLAGS.items():
-        if field in given and getattr(args, field) != getattr(layout, field):
-            shown = "" if field == "sp" else f" {getattr(args, field)}"
-            wrong.append(f"{flag}{shown} (it runs {field.replace('_', '-')} {getattr(layout, field)})")
-    wrong += [f"{flag} {getattr(args, field)} (it runs {value})" for field, (flag, value) in _LAYOUT_FIXED.items()
-              if getattr(args, field) != value]
-    if wrong:
-        raise SystemExit(f"regather estimate --recipe {name}: {', '.join(wrong)}; leave them out or drop the layout")
-    args.model, args.tp, args.sp, args.seq, args.micro_batch = (layout.preset, layout.tp, layout.sp, layout.seq,
-                                                                 layout.micro_batch)
-
-
-def attention(args) -> str:
-    """``--attention`` as given, else the spec's: TE's fused attention, or megatron's unfused local one."""
-    given = getattr(args, "attention", None)
-    return given or ("fused" if getattr(args, "spec", "local") == "te" else "unfused")
-
-
 def model_from_args(args) -> Model:
     """The preset with the custom sizes given (its name marked ``(custom)``) and the dispatcher."""
     model = PRESETS[args.model]
@@ -177,18 +116,10 @@ def model_from_args(args) -> Model:
     return replace(model, name=model.name + (" (custom)" if custom else ""), dispatcher=args.dispatcher, **custom)
 
 
-def _given(args) -> frozenset:
-    return frozenset(getattr(args, "given", ()))
-
-
 def run_from_args(args) -> Run:
     """The run; with ``--recipe``, the recipe's targets and dim where ``--targets`` / ``--lora-rank`` were not given."""
     targets = tuple(args.targets) if not isinstance(args.targets, str) else _targets(args.targets)
-    rank = args.lora_rank
-    recipe = RECIPES.get(args.model) if getattr(args, "recipe", False) else None
-    if recipe is not None:
-        targets = targets if "targets" in _given(args) else recipe.targets
-        rank = rank if "lora_rank" in _given(args) else recipe.dim
+    targets, rank = recipe_targets(args, targets, args.lora_rank)
     return Run(tp=args.tp, sp=args.sp, seq=args.seq, micro_batch=args.micro_batch, in_flight=args.in_flight,
                pp=args.pp, dtype=args.dtype, grad_dtype=args.grad_dtype, lora_rank=rank, targets=targets,
                first_stage=args.first_stage, input_requires_grad=args.input_requires_grad, ep=args.ep, etp=args.etp,
@@ -201,21 +132,21 @@ def titan_from_args(args) -> tuple[Model, Run, tuple]:
     targets and rank unless given) and the variants; exits naming the Megatron-only options given."""
     from regather.torchtitan.options import variant_fields
 
-    given, d = _given(args), {"ep": 1, "etp": 1, "expert_lora": "shared", "redispatch": False, "dispatcher": "alltoall",
+    on_line, d = given(args), {"ep": 1, "etp": 1, "expert_lora": "shared", "redispatch": False, "dispatcher": "alltoall",
                                "grad_dtype": None, "experts": None, "moe_ffn": None, "topk": None, "recipe": False}
     other = [f"--{n.replace('_', '-')}" for n, v in d.items() if getattr(args, n, v) != v]
-    other += [f"--{n}" for n in ("attention", "spec") if n in given]
+    other += [f"--{n}" for n in ("attention", "spec") if n in on_line]
     if other:
         raise SystemExit(f"regather estimate --front-end torchtitan: {', '.join(other)}: Megatron's options "
                          "(torchtitan's LoRA adapts dense Linear configs; its attention keeps its output)")
-    model = model_from_args(args if "model" in given else argparse.Namespace(**{**vars(args), "model": TITAN_PRESET}))
-    targets = tuple(args.targets) if "targets" in given else TITAN_TARGETS
+    model = model_from_args(args if "model" in on_line else argparse.Namespace(**{**vars(args), "model": TITAN_PRESET}))
+    targets = tuple(args.targets) if "targets" in on_line else TITAN_TARGETS
     bad = [t for t in targets if t not in TITAN_TARGETS]
     if bad:
         raise SystemExit(f"regather estimate --front-end torchtitan: targets {bad}: torchtitan's block linears are "
                          f"{', '.join(TITAN_TARGETS)}")
-    run = replace(run_from_args(args), targets=targets, lora_rank=args.lora_rank if "lora_rank" in given else 8)
-    variants = tuple(s.strip() for s in args.strategies.split(",") if s.strip()) if "strategies" in given \
+    run = replace(run_from_args(args), targets=targets, lora_rank=args.lora_rank if "lora_rank" in on_line else 8)
+    variants = tuple(s.strip() for s in args.strategies.split(",") if s.strip()) if "strategies" in on_line \
         else TITAN_VARIANTS
     for name in variants:
         try:
@@ -269,7 +200,7 @@ def main(args) -> int:
     local = None if run.spec == "local" else estimate(
         model, replace(run, spec="local", attention_keeps_output=(args.attention or "unfused") == "fused"), strategies)
     ref = reference_for(args.model, model, run)
-    asked = getattr(args, "recipe", False) or bool(_given(args) & set(SAME_WORK_OPTIONS))
+    asked = getattr(args, "recipe", False) or bool(given(args) & set(SAME_WORK_OPTIONS))
     same = same_work(args.model, model, run, ref) if asked else None
     if args.json:
         print(json.dumps(as_json(model, run, result, ref, same, local), indent=1))

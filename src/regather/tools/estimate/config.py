@@ -168,8 +168,18 @@ def check_run(model: Model, run: Run) -> None:
     or that estimate does not model."""
     if run.spec not in SPECS:
         raise ValueError(f"spec {run.spec!r}: expected one of {SPECS}")
+    small = [f"{what} {n}" for what, n in (("TP", run.tp), ("PP", run.pp), ("sequence", run.seq),
+                                            ("micro-batch", run.micro_batch), ("micro-batches in flight", run.in_flight))
+             if n < 1]
+    if small:
+        raise ValueError(f"{', '.join(small)}: must be at least 1")
     if run.sp and run.seq % run.tp:
         raise ValueError(f"sequence {run.seq} is not divisible by TP {run.tp}")
+    # megatron splits the heads, the query groups and the dense MLP over TP and refuses what does not divide
+    split = [f"{what} {n}" for what, n in (("heads", model.heads), ("query groups", model.kv_heads or model.heads),
+                                            ("ffn", model.ffn)) if n % run.tp]
+    if split:
+        raise ValueError(f"{', '.join(split)} not divisible by TP {run.tp}")
     if model.dispatcher not in REPLAYED_DISPATCHERS:
         raise ValueError(f"dispatcher={model.dispatcher!r}: expected one of {REPLAYED_DISPATCHERS} (the flex "
                          "dispatcher's route cannot be replayed)")

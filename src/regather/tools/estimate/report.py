@@ -30,6 +30,11 @@ REFERENCE = {
 }
 
 
+#: what "the reference" is, in every report that sets a figure beside it
+REFERENCE_IS = ("the reference: Megatron Bridge's own re-gather, LoRA(sequence_parallel_input_regather=True), its "
+                "peak-memory drop measured on H100s")
+
+
 def reference_for(preset: str, model: Model, run: Run) -> dict | None:
     """The reference's measurement for ``preset`` when this run has its layout (TP and EP; the
     sequence length too where the reference states it), else None (and for custom sizes)."""
@@ -197,8 +202,7 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
     ]
     lines += spec_lines(run)
     if reference:
-        lines.append(f"reference measured (peak-memory drop, sequence_parallel_input_regather=True, "
-                     f"{reference['note']}): {gb(reference['saved'])}"
+        lines.append(f"reference measured ({REFERENCE_IS}; {reference['note']}): {gb(reference['saved'])}"
                      + (f"; this estimate: LoRA on {_names(run.targets)}, r={run.lora_rank} (the reference does "
                         "not state its targets)" if same else ""))
         te = reference_on_te(model, run) if run.spec != LOCAL else None

@@ -1,0 +1,114 @@
+"""``regather doctor``'s summary: what the run saves per adapter kind, and why the rest saves nothing.
+
+The adapters' decisions are grouped by kind (``linear_qkv`` ... ``experts.linear_fc2``) and by what they
+decided (:func:`regather.tools.doctor.findings.describe`), each group with its layers, its count and the
+bytes it saves (:func:`regather.tools.doctor.savings.savings`). The total is set beside ``regather
+estimate``'s for the same strategy and arguments: equal where every decision is one estimate models,
+otherwise the difference is named (adapters that fall back here: CUDA graphs, activation checkpoints,
+offloading, ...). Every adapter's own line is behind ``--verbose``.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Mapping
+
+from regather.megatron.reasons import ALL_TARGETS
+from regather.tools.doctor.findings import describe, fix_for
+from regather.tools.doctor.savings import expert_estimate, expert_layer_bytes, gb, is_expert, moe_layer, savings
+from regather.tools.doctor.setup import Setup
+
+WIDTH = 120  # the summary's lines wrap here
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _layers(paths) -> str:
+    """``0``, ``1-35``, ``0, 2, 4``: the layers of these adapters' paths, as ranges."""
+    nums = sorted({int(_LAYER.search(p).group(1)) for p in paths})
+    runs, start = [], None
+    for i, n in enumerate(nums):
+        start = n if start is None else start
+        if i + 1 == len(nums) or nums[i + 1] != n + 1:
+            runs.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(runs)
+
+
+def estimate_variant(setup: Setup) -> str:
+    """The ``regather estimate`` strategy this setup asks for (``regather-recompute`` ...)."""
+    from regather.tools.estimate import RECOMPUTE
+
+    return setup.strategy + (RECOMPUTE if setup.recompute_adapter_inputs else "")
+
+
+def groups(setup: Setup, decisions: Mapping[str, Mapping]) -> list[dict]:
+    """Per adapter kind and decision: ``kind``, ``decision`` (its text), ``adapters``, ``layers`` (where a
+    kind decides more than one way), ``saved`` bytes and ``fix`` (or None), in the order of the targets."""
+    s = savings(setup, decisions)
+    expert_per_layer = expert_layer_bytes(setup) if setup.moe and any(
+        d.get("recompute") for p, d in decisions.items() if is_expert(setup, p)) else {}
+    grouped: dict[tuple, list] = {}
+    for path, d in decisions.items():
+        name = path.rsplit(".", 1)[-1]
+        kind = f"experts.{name}" if is_expert(setup, path) else name
+        grouped.setdefault((kind, describe(d)), []).append(path)
+    kinds = ALL_TARGETS + tuple(f"experts.{n}" for n in ("linear_fc1", "linear_fc2"))
+    order = {k: i for i, k in enumerate(kinds)}
+    per_kind: dict[str, int] = {}
+    for kind, _ in grouped:
+        per_kind[kind] = per_kind.get(kind, 0) + 1
+    out = []
+    for (kind, decision), paths in sorted(grouped.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1])):
+        d = decisions[paths[0]]
+        if kind.startswith("experts."):
+            layers = {moe_layer(p) for p in paths}
+            saved = len(layers) * expert_per_layer.get(kind.split(".", 1)[1], 0) if d.get("recompute") else 0
+        else:
+            saved = sum(s["per_adapter"][p] for p in paths)
+        out.append({"kind": kind, "decision": decision, "adapters": len(paths), "saved": saved, "fix": fix_for(d),
+                    "layers": _layers(paths) if per_kind[kind] > 1 else ""})  # a kind split: which layers
+    return out
+
+
+def summary(setup: Setup, decisions: Mapping[str, Mapping]) -> dict:
+    """:func:`savings`, the :func:`groups`, and ``regather estimate``'s saving for the same strategy and
+    arguments (``estimate``: ``{"strategy", "saved"}``, or ``{"strategy", "refused"}``)."""
+    from regather.tools.estimate import saved_vs_gather
+
+    s = savings(setup, decisions)
+    if s["refused"]:
+        raise ValueError(s["refused"])
+    variant = estimate_variant(setup)
+    try:
+        est = {"strategy": variant, "saved": saved_vs_gather(*expert_estimate(setup), variant)}
+    except ValueError as exc:
+        est = {"strategy": variant, "refused": str(exc)}
+    return {"gather": s["gather"], "kept": s["kept"], "saved": s["saved"], "by_kind": s["by_kind"],
+            "experts_note": s["experts_note"], "groups": groups(setup, decisions), "estimate": est}
+
+
+def lines(setup: Setup, summ: dict) -> list[str]:
+    """The summary as the command prints it (wrapped at :data:`WIDTH`)."""
+    out = [f"LoRA-A inputs per GPU: the gather path keeps {gb(summ['gather'])}; this run saves {gb(summ['saved'])}"]
+    est = summ["estimate"]
+    if "refused" in est:
+        out.append(f"  (regather estimate refuses this layout: {est['refused']})")
+    elif est["saved"] == summ["saved"]:
+        out.append(f"  = regather estimate's '{est['strategy']}' row with the same arguments")
+    else:
+        out.append(f"  regather estimate's '{est['strategy']}' row says {gb(est['saved'])}: estimate models no CUDA "
+                   "graphs, activation checkpoints or offloading; the adapters below that save nothing fall back here")
+    for g in summ["groups"]:
+        saves = f"saves {gb(g['saved'])}" if g["saved"] else "saves nothing"
+        layers = f", layer{'s' if g['adapters'] > 1 else ''} {g['layers']}" if g["layers"] else ""
+        text = f"{g['kind']} x{g['adapters']}{layers}: {g['decision']} -> {saves}"
+        out += textwrap.wrap(text, WIDTH, initial_indent="  ", subsequent_indent="      ", break_long_words=False,
+                             break_on_hyphens=False)
+        if g["fix"]:
+            out += textwrap.wrap(f"fix: {g['fix']}", WIDTH, initial_indent="      ", subsequent_indent="        ",
+                                 break_long_words=False, break_on_hyphens=False)
+    if summ["experts_note"]:
+        out += textwrap.wrap(f"experts: {summ['experts_note']}", WIDTH, initial_indent="  ",
+                             subsequent_indent="      ", break_long_words=False, break_on_hyphens=False)
+    return out

@@ -1,0 +1,45 @@
+"""Rank bodies for test_allocated.py: regions of gloo all-gathers whose outputs die inside them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from regather.core.allocated import AllocatedBytes
+
+GATHERS = 6          # all-gathers a region runs (each kind)
+SHAPE = (64, 2, 64)  # one rank's shard, fp32: 32 KiB; the gathered output 64 KiB
+
+
+def _gathers(keep: list) -> None:
+    """Functional (DTensor's kind) and ``c10d`` all-gathers of a shard made inside the region; every
+    output dies inside it except those appended to ``keep``."""
+    x = torch.randn(*SHAPE)
+    for i in range(GATHERS):
+        y = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, dist.group.WORLD))
+        (y * 2).sum()
+        w = torch.empty(SHAPE[0] * dist.get_world_size(), *SHAPE[1:])
+        dist.all_gather_into_tensor(w, x)
+        if i == 0:
+            keep.append(w)
+
+
+def settled_regions(rank, world_size, pairs: int) -> dict:
+    """``pairs`` pairs of settled regions: the smaller count of each pair, with and without an
+    output kept past the region; and, for the record, how many unsettled regions had phantom bytes."""
+    out = {"dying": [], "kept": [], "unsettled_with_phantoms": 0}
+    for _ in range(pairs):
+        for what in ("dying", "kept"):
+            counts = []
+            for _ in range(2):
+                keep: list = []
+                with AllocatedBytes(settle_collectives=True, hold_collective_tensors=True) as a:
+                    _gathers(keep if what == "kept" else [])
+                counts.append(a.alive)
+                del keep
+            out[what].append(min(counts))
+        with AllocatedBytes() as a:
+            _gathers([])
+        out["unsettled_with_phantoms"] += a.alive > 0
+    return out

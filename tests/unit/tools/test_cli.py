@@ -1,0 +1,70 @@
+"""The ``regather`` console script as a user meets it (run as a subprocess, as installed): one story across
+doctor and estimate, bad input refused the same way by every command, ``--help`` that says what a flag does.
+
+Each call starts a fresh interpreter that imports torch (about 2 s of CPU), so the matrix stays small."""
+
+import re
+
+import pytest
+from regather_console import NOT_INSTALLED, regather, script
+
+pytestmark = pytest.mark.timeout(300)
+
+if script() is None:
+    pytest.skip(NOT_INSTALLED, allow_module_level=True)
+
+
+def test_doctor_and_estimate_print_the_same_saving():
+    """The issue's check: doctor's summary and estimate's row for the strategy doctor looks at."""
+    argv = ["--model", "qwen3-8b", "--tp", "2", "--seq", "8192"]
+    doctor, estimate = regather("doctor", *argv), regather("estimate", *argv)
+    assert doctor.returncode == 0 and estimate.returncode == 0, (doctor.stderr, estimate.stderr)
+    saved = re.search(r"this run saves (\d[\d.]* GB \([\d.]+ GiB\))", doctor.stdout).group(1)
+    row = re.search(r"\[regather\]\n.*\n  saved vs gather\s+: (.*)\n", estimate.stdout).group(1)
+    assert saved == row
+    assert "= regather estimate's 'regather' row with the same arguments" in doctor.stdout
+    # the summary first; one line per adapter only with --verbose
+    lines = doctor.stdout.splitlines()
+    assert lines[3].startswith("LoRA-A inputs per GPU") and "decoder.layers.0" not in doctor.stdout
+    assert max(map(len, lines)) <= 120 and doctor.stderr == ""
+
+
+def test_doctor_verbose_lists_every_adapter():
+    from regather.tools.estimate import PRESETS, Run, saved_vs_gather
+
+    out = regather("doctor", "--recompute-adapter-inputs", "--verbose").stdout
+    assert sum(line.startswith("[INFO   ] adapter: decoder.layers.") for line in out.splitlines()) == 4 * 36
+    run = Run(tp=2, seq=8192, micro_batch=1, dtype="bfloat16", spec="te", attention_keeps_output=True)
+    saved = saved_vs_gather(PRESETS["qwen3-8b"], run, "regather-recompute")
+    assert f"saving: estimated LoRA-A input memory saved per GPU: {saved:,} bytes" in out
+
+
+REFUSED = [
+    (["doctor", "--strategy", "foo"], ["'foo'", "gather", "regather", "lowrank"]),
+    (["doctor", "--targets", "linear_qkv,foo"], ["foo", "linear_qkv, linear_proj, linear_fc1, linear_fc2"]),
+    (["doctor", "--tp", "3"], ["sequence 8192 is not divisible by TP 3"]),
+    (["estimate", "--tp", "3", "--no-sp"], ["heads 32", "query groups 8", "TP 3"]),
+    (["estimate", "--strategies", "regather,foo"], ["'foo'", "regather-recompute"]),
+    (["estimate", "--seq", "0"], ["--seq", "0 is not a positive integer"]),
+    (["bench", "--strategies", "foo"], ["'foo'", "regather"]),
+    (["bench", "--torchtitan", "--tp", "1"], ["--tp 1", "at least 2 ranks"]),
+    (["demo", "--steps", "0"], ["--steps", "0 is not a positive integer"]),
+    (["demo", "--tp", "3"], ["--heads 4 is not divisible by --tp 3"]),
+    (["bench", "--heads", "5"], ["--heads 5 is not divisible by --tp 2"]),
+    ]
+
+
+@pytest.mark.parametrize("argv,names", REFUSED, ids=[" ".join(argv) for argv, _ in REFUSED])
+def test_bad_input_is_one_line_naming_the_value(argv, names):
+    """Non-zero exit, one line on stderr naming the value and what is accepted, no traceback, nothing run."""
+    done = regather(*argv)
+    assert done.returncode != 0 and done.stdout == "", (done.returncode, done.stdout)
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"regather {argv[0]}") and all(n in done.stderr for n in names), done.stderr
+
+
+def test_help_says_what_a_flag_does():
+    for command in ("doctor", "estimate", "bench", "demo"):
+        text = regather(command, "--help").stdout
+        assert "(default: True)" not in text and "(default: False)" not in text and "(default: None)" not in text
+    assert "sequence parallelism off" in regather("doctor", "--help").stdout
