@@ -13,11 +13,17 @@ lowrank), bit-identical to torchtitan's LoRA for gather and regather; with
 - :func:`adapters`, :func:`decisions`, :func:`set_strategy` — the adapters of a model, what each
   decided and why (``regather.decisions`` reads every loaded front end), a strategy switch
 
+Runs on every SPMD backend of torchtitan 0.3.0: ``spmd_types`` (its default: plain tensors, layouts
+read from the sharding configs), ``partial_dtensor`` and ``full_dtensor`` (DTensor placements).
+
 Modules: :mod:`.converter`, :mod:`.hand` (entry points); :mod:`.model` (attach, decisions);
-:mod:`.adapter` (the LoRA-A paths and the DTensor boundary); :mod:`.pairing` (where the gathered
-input is recorded, the early-regather anchor), :mod:`.producers` (recompute); :mod:`.layout`,
-:mod:`.runstate`, :mod:`.options`, :mod:`.reasons`; :mod:`.traced` (the forward under
-``torch.compile``); :mod:`.compat` (every private torchtitan / torch name touched, with versions). Imports torch, torchtitan and
+:mod:`.adapter` (plan, then execute the LoRA-A paths); :mod:`.pairing` (where the gathered input
+is recorded, the early-regather anchor), :mod:`.producers` (recompute), :mod:`.rebuilt`,
+:mod:`.traced` (the forward under ``torch.compile``), :mod:`.frozen` (what the converter froze stays
+frozen through ``parallelize``); :mod:`.layout` (the layout and the sequence gather, per
+backend), :mod:`.runstate`; :mod:`.spmd` (what ``spmd_types`` declares), :mod:`.tp` (where a path's
+local tensors meet the backend's); :mod:`.options`, :mod:`.reasons`, :mod:`.compat` (every private
+torchtitan / torch name touched, with versions). Imports torch, torchtitan and
 :mod:`regather.core` only (docs/torchtitan.md, docs/design.md §12).
 """
 

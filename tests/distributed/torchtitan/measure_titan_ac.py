@@ -45,7 +45,9 @@ def _table(setting: str, runs: dict, fp64: dict, names: list[str]) -> None:
                                                            f"max rel. error vs fp64 {worst:.1e}")
         over = f"{(r['alive'] - frozen['alive']) / 1024:+,.1f}" if frozen else f"{(r['alive'] - titan['alive']) / 1024:+,.1f} vs torchtitan's"
         print(f"| {name} | {over} | {same} |")
-    print("decisions:", {n: r["decisions"].get("layers.0.feed_forward.w1") for n, r in runs.items() if r["decisions"]})
+    w1 = {n: {_plain(p): d for p, d in r["decisions"].items()}.get("layers.0.feed_forward.w1")
+          for n, r in runs.items() if r["decisions"]}
+    print("decisions (layers.0.feed_forward.w1):", w1)
 
 
 def partial_dtensor_tables() -> None:
@@ -54,12 +56,13 @@ def partial_dtensor_tables() -> None:
         _table(setting, res[setting], res["fp64"]["torchtitan"], W.SUITE[setting])
 
 
-def backend_tables(backend: str, settings: list[str]) -> None:
+def backend_tables(backend: str, settings: list[str], dp_shard: int) -> None:
     fp64 = run_ranks(W.spmd_group_suite, 2, ["fp64"], timeout=900)[0]["fp64"]["torchtitan"]
-    print(f"backend {backend}, torch {torch.__version__}, parallelize_llama with FSDP2, 2 gloo ranks")
+    print(f"backend {backend}, torch {torch.__version__}, parallelize_llama with FSDP2, dp_shard {dp_shard} x TP2, "
+          f"{2 * dp_shard} gloo ranks")
     for setting in settings:
         try:
-            res = run_ranks(W.spmd_group_suite, 2, [setting], backend, True, timeout=1500)[0]
+            res = run_ranks(W.spmd_group_suite, 2 * dp_shard, [setting], backend, True, timeout=1500)[0]
         except Exception as exc:
             print(f"\n{setting}: fails: {str(exc).splitlines()[0][:400]}")
             continue
@@ -71,11 +74,12 @@ def main() -> None:
     parser.add_argument("--backend", choices=("spmd_types", "partial_dtensor", "full_dtensor"))
     parser.add_argument("--settings", default=",".join(s for s in W.SPMD_SUITE if s != "fp64"),
                         help="comma-separated settings of workers_titan_ac.SPMD_SUITE (with --backend)")
+    parser.add_argument("--dp-shard", type=int, default=1, help="FSDP2's dp_shard (with --backend): 2 * dp_shard ranks")
     args = parser.parse_args()
     if args.backend is None:
         partial_dtensor_tables()
     else:
-        backend_tables(args.backend, args.settings.split(","))
+        backend_tables(args.backend, args.settings.split(","), args.dp_shard)
 
 
 if __name__ == "__main__":

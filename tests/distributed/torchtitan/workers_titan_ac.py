@@ -83,11 +83,11 @@ def _parallelize(pd, setting: str, fsdp: bool):
 
 
 def setting_suite(rank, world_size, setting: str, names: list[str], backend: str = "partial_dtensor",
-                  fsdp: bool = False) -> dict:
+                  fsdp: bool = False) -> dict:  # TP2, and FSDP2 over the other ranks (dp_shard = world / 2)
     """``names`` (``frozen``, ``torchtitan`` or a key of RUNS) under ``setting`` (:data:`SETTINGS`:
     torchtitan's SelectiveAC / FullAC with their default configs, apply_compile with inductor or
     aot_eager, both, or float64 eager) on the SPMD ``backend``."""
-    pd = H.parallel_dims(backend=backend)
+    pd = H.parallel_dims(backend=backend, dp_shard=world_size // 2 if fsdp else 1)
     _, compiled, dtype = SETTINGS[setting]
     out = {}
     for name in names:
