@@ -28,14 +28,8 @@ every line except TE's and proves nothing about TE.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
-import json
-import os
 import sys
-import tempfile
-import traceback
 from pathlib import Path
 
 import torch
@@ -43,6 +37,7 @@ import torch.nn.functional as F
 
 # the rounding rule and the CPU model are the tests' (tests/harness, not in the wheel)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from te_check import cuda_matmul_tf32, one_rank_group, run_check
 from tests.harness.numerics import max_rel_err, rounding_bound
 
 S, B, H, OUT, R = 256, 2, 512, 384, 16
@@ -61,23 +56,6 @@ def availability() -> str | None:
         except Exception as exc:  # TE fails to import in many ways (missing .so, no CUDA)
             reasons.append(f"{module} does not import ({type(exc).__name__}: {exc})")
     return "; ".join(reasons) or None
-
-
-@contextlib.contextmanager
-def tf32(device: str, enabled: bool):
-    """fp32 CUDA matmuls as TF32 (TE's fp32 GEMMs are) or IEEE inside; nothing on CPU."""
-    if device != "cuda":
-        yield
-        return
-    matmul = torch.backends.cuda.matmul
-    name, value = (("fp32_precision", "tf32" if enabled else "ieee") if hasattr(matmul, "fp32_precision")
-                   else ("allow_tf32", enabled))
-    saved = getattr(matmul, name)
-    setattr(matmul, name, value)
-    try:
-        yield
-    finally:
-        setattr(matmul, name, saved)
 
 
 class Holder(torch.nn.Module):
@@ -198,13 +176,9 @@ def verdict(rows: list[dict]) -> str:
     return OK + (f" where rebuilt; {'; '.join(kept)}" if kept else "")
 
 
-def one_rank_group(backend: str, rendezvous: Path):
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
-    return dist.new_group(ranks=[0], backend=backend)
+def tf32(device: str, enabled: bool):
+    """fp32 CUDA matmuls as TF32 (TE's fp32 GEMMs are) or IEEE inside; nothing on CPU."""
+    return cuda_matmul_tf32(enabled) if device == "cuda" else contextlib.nullcontext()
 
 
 def run_all(make_base, group, device) -> dict:
@@ -266,30 +240,11 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/te_lora")))
-    p.add_argument("--cpu-dry-run", action="store_true", help="also run the check on the CPU model of TE")
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    import torch.distributed as dist
-
-    rc = 0
-    with tempfile.TemporaryDirectory(prefix="te_lora-") as tmp:
-        try:
-            report = check(args.cpu_dry_run, Path(tmp) / "rendezvous")
-        except Exception as exc:  # recorded as the verdict, the traceback on stderr
-            traceback.print_exc()
-            report = {"verdict": f"error: {type(exc).__name__}: {exc}", "check": "regather's LoRA on a real TE base"}
-            rc = 1
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    (args.out / "te_lora.json").write_text(json.dumps(report, indent=1, default=str))
-    (args.out / "te_lora.md").write_text(markdown(report))
-    print(f"te_lora: {report['verdict']}")
-    if "te_model" in report:
+    report = run_check("te_lora", __doc__.split("\n")[0], "also run the check on the CPU model of TE", check,
+                       markdown, {"check": "regather's LoRA on a real TE base"}, argv)
+    if report is not None and "te_model" in report:
         print(f"te_lora: TE model on CPU (dry run): {report['te_model']['verdict']}")
-    return rc
+    return 1 if report is None else 0
 
 
 if __name__ == "__main__":

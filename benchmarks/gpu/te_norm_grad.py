@@ -36,14 +36,7 @@ The dry run also runs the whole comparison on a plain-torch stand-in that follow
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import datetime
-import json
-import os
 import sys
-import tempfile
-import traceback
 from pathlib import Path
 
 import torch
@@ -51,6 +44,7 @@ import torch.nn.functional as F
 
 # the rounding rule is the tests' (tests/harness, not in the wheel): the repository root on the path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from te_check import cuda_matmul_tf32, one_rank_group, run_check
 from tests.harness.numerics import max_rel_err, rounding_bound
 
 S, B, H, OUT = 32, 2, 256, 128  # tokens, micro-batch, hidden, output features (one rank)
@@ -174,16 +168,6 @@ class StandInLayerNormLinear(torch.autograd.Function):
         return dx, None, None, None, None, None
 
 
-def one_rank_group(backend: str, rendezvous: Path):
-    """A real one-rank process group (this process is rank 0 of a world of 1)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
-    return dist.new_group(ranks=[0], backend=backend)
-
-
 def te_module(group, t: dict[str, torch.Tensor]):
     """TE's LayerNormLinear as Megatron's TELayerNormColumnParallelLinear builds it, frozen, with ``t``'s weights."""
     import transformer_engine.pytorch as te
@@ -198,21 +182,6 @@ def te_module(group, t: dict[str, torch.Tensor]):
     for p in mod.parameters():
         p.requires_grad_(False)
     return mod
-
-
-@contextlib.contextmanager
-def cuda_matmul_tf32(enabled: bool):
-    """fp32 CUDA matmuls as TF32 (or IEEE fp32) inside, restored after; the torch >= 2.9 flag where it
-    exists (torch refuses a mix of it and the legacy ``allow_tf32``)."""
-    matmul = torch.backends.cuda.matmul
-    name, value = (("fp32_precision", "tf32" if enabled else "ieee") if hasattr(matmul, "fp32_precision")
-                   else ("allow_tf32", enabled))
-    saved = getattr(matmul, name)
-    setattr(matmul, name, value)
-    try:
-        yield
-    finally:
-        setattr(matmul, name, saved)
 
 
 def run_case(forward, t: dict[str, torch.Tensor], same_precision_tf32: bool) -> dict:
@@ -278,31 +247,11 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/te_norm_grad")))
-    p.add_argument("--cpu-dry-run", action="store_true", help="also run the comparison on a plain-torch stand-in")
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    import torch.distributed as dist
-
-    rc = 0
-    with tempfile.TemporaryDirectory(prefix="te_norm_grad-") as tmp:
-        try:
-            report = check(args.cpu_dry_run, Path(tmp) / "rendezvous")
-        except Exception as exc:  # recorded as the verdict, the traceback on stderr
-            traceback.print_exc()
-            report = {"verdict": f"error: {type(exc).__name__}: {exc}", "check": "TE LayerNormLinear gathered ln_out",
-                      "note": TE_SOURCE_NOTE}
-            rc = 1
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    (args.out / "te_norm_grad.json").write_text(json.dumps(report, indent=1, default=str))
-    (args.out / "te_norm_grad.md").write_text(markdown(report))
-    print(f"te_norm_grad: {report['verdict']}")
-    for rule, r in report.get("stand_in", {}).items():
+    report = run_check("te_norm_grad", __doc__.split("\n")[0], "also run the comparison on a plain-torch stand-in",
+                       check, markdown, {"check": "TE LayerNormLinear gathered ln_out", "note": TE_SOURCE_NOTE}, argv)
+    for rule, r in (report or {}).get("stand_in", {}).items():
         print(f"te_norm_grad: stand-in that {'adds' if rule == ADDED else 'drops'} it (dry run): {r['verdict']}")
-    return rc
+    return 1 if report is None else 0
 
 
 if __name__ == "__main__":
