@@ -2,7 +2,7 @@
 fp32 CUDA matmuls as TF32 or IEEE, and the command line that runs a check and writes its report.
 
 Each check is a script run on the GPU machine (device_run.sh) with torch only on the path besides TE
-and megatron-core; this module sits beside them and is imported as the scripts' sibling.
+and megatron-core; they import it as ``benchmarks.gpu.te_check`` (the repository root is on their path).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 # the rounding rule is the tests' (tests/harness, not in the wheel): the repository root on the path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from te_check import cuda_matmul_tf32, one_rank_group, run_check
+from benchmarks.gpu.te_check import cuda_matmul_tf32, one_rank_group, run_check
 from tests.harness.numerics import max_rel_err, rounding_bound
 
 S, B, H, OUT = 32, 2, 256, 128  # tokens, micro-batch, hidden, output features (one rank)
