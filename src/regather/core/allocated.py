@@ -28,7 +28,7 @@ drain, so every collective block is freed, or kept by its real owner, on the pro
 whose outputs die inside it (``tests/distributed/core/workers_allocated.py``): regions with phantom bytes
 83 and 77 of 120 (rank 0, rank 1) as before, 73 and 68 when only draining, 0 and 1 holding and
 draining. A worker descheduled across the drains can still hold its last work; the count is then too
-high, never too low, so ``regather bench`` takes the smaller of two steps' counts. Holding is off by
+high, never too low, so ``regather bench`` takes the smallest of a few steps' counts. Holding is off by
 default: around ``torch.compile``'d code a dispatch mode makes Dynamo refuse the frames ("non-infra
 torch dispatch mode present"), so only code that runs eagerly may ask for it.
 """

@@ -543,14 +543,14 @@ def te_case(rank, t, strategy, recompute, *, behaviour, normalization="LayerNorm
     without recompute (``sp=False``: the whole sequence on every rank, the replicated path). Bytes:
     saved-tensor hooks over the first forward (they count TE's ``ln_out`` when it is saved, released
     or not) and the allocator's, alive after the later forwards (the smallest of three,
-    tests.harness.settled_bytes)."""
+    regather.core.allocated, the collectives settled)."""
     import torch.distributed as dist
-    from tests.harness.settled_bytes import settled_allocated
     from tests.harness.te_model import te_behaviour, te_linear
     from torch import nn
 
     from regather import LoRA
     from regather.core.accounting import ADAPTER_INPUT, CollectiveBytes, SavedBytes
+    from regather.core.allocated import AllocatedBytes
     from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
     enable_megatron_cpu()
@@ -576,7 +576,7 @@ def te_case(rank, t, strategy, recompute, *, behaviour, normalization="LayerNorm
                 y, _ = lora(x)
             y.backward(dy)
             for _ in range(3):  # after the first-forward verification
-                with settled_allocated() as alloc:
+                with AllocatedBytes(settle_collectives=True, hold_collective_tensors=True) as alloc:
                     y2, _ = lora(x)
                 y2.backward(dy)
                 alive.append(alloc.alive)

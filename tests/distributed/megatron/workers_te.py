@@ -6,7 +6,7 @@ TP1: each rank on a one-rank group of its own) and recompute off / on. Per case 
 the input gradient, LoRA-A / LoRA-B gradients, in fp32, and what the same maths gives in fp32 and in
 fp64 from the full tensors (``ref32`` / ``ref64``: every rank computes them from the full weights,
 all-gathered); the decision; the allocator's bytes alive after the (second) forward, beside the
-frozen base's (:func:`tests.harness.settled_bytes.settled_allocated`, the smallest of :data:`REPEATS`).
+frozen base's (:class:`regather.core.allocated.AllocatedBytes` with the collectives settled, the smallest of :data:`REPEATS`).
 :func:`run_gpt`: the same bytes on the tiny megatron GPT built on the TE spec.
 """
 
@@ -15,17 +15,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tests.harness.settled_bytes import settled_allocated
 from torch import nn
 
 from regather.core.accounting import CollectiveBytes
+from regather.core.allocated import AllocatedBytes
 from regather.core.comm import all_gather_dim
 
 S, B, H, OUT, R = 16, 2, 32, 48, 4
 STRATEGIES = ("gather", "regather", "lowrank")
 LAYOUTS = ("tp2_sp", "tp2", "tp1")
 SEED = 5
-REPEATS = 4  # bytes: the smallest of this many forwards after the first (tests.harness.settled_bytes)
+REPEATS = 4  # bytes: the smallest of this many forwards after the first (regather.core.allocated: the collectives settled)
 
 
 class Holder(nn.Module):
@@ -97,7 +97,7 @@ def run_case(rank, behaviour, strategy, layout, recompute, group) -> dict:
         x.grad = None
         for p in ad.parameters():
             p.grad = None
-        with CollectiveBytes() as comm, settled_allocated() as alloc:
+        with CollectiveBytes() as comm, AllocatedBytes(settle_collectives=True, hold_collective_tensors=True) as alloc:
             y, _ = model(x)
         y.backward(dy)
         alive += [alloc.alive] if step else []
@@ -135,7 +135,7 @@ def frozen_alive(rank, behaviour, layout, group) -> int:
     x = local(x64, rank, t, sp).float().clone().requires_grad_()
     alive = []
     for step in range(1 + REPEATS):
-        with settled_allocated() as alloc:
+        with AllocatedBytes(settle_collectives=True, hold_collective_tensors=True) as alloc:
             y, _ = base(x)
         y.sum().backward()
         alive += [alloc.alive] if step else []
@@ -230,7 +230,7 @@ def gpt_step_bytes(model) -> tuple[int, torch.Tensor]:
     try:
         for step in range(1 + REPEATS):
             model.zero_grad(set_to_none=True)
-            with settled_allocated() as region:
+            with AllocatedBytes(settle_collectives=True, hold_collective_tensors=True) as region:
                 loss = gpt_loss(model, batch)
             loss.backward()
             alive += [region.alive] if step else []

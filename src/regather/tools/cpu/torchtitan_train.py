@@ -36,6 +36,9 @@ __all__ = ["BASELINE", "VARIANTS", "TitanRun", "base_variant", "clip_and_step", 
            "variant_fields"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: uncounted steps before step 0 whose allocator bytes count (the smallest of them and step 0's):
+#: a gloo worker that frees a collective's tensors unseen can only add bytes (regather.core.allocated)
+WARM_COUNTS = 3
 
 
 @dataclass(frozen=True)
@@ -137,14 +140,18 @@ def _timed(model, opts, run: TitanRun, step: int) -> float:
 
 def _warm(model, run: TitanRun) -> int:
     """Uncounted steps before step 0 (compiling the blocks first under ``--compile``): the
-    allocator's bytes alive at the end of the last one's forward; gradients reset."""
+    smallest of :data:`WARM_COUNTS` steps' allocator bytes alive at the end of the forward;
+    gradients reset."""
     if run.compile:
         M.step(model, count=False, dtype=run.torch_dtype, shape=run.shape, seed=run.seed)
-    _, _, comm = M.step(model, count="allocator" if run.compile else "all", dtype=run.torch_dtype, shape=run.shape,
-                        seed=run.seed)
+    alive = []
+    for _ in range(WARM_COUNTS):
+        _, _, comm = M.step(model, count="allocator" if run.compile else "all", dtype=run.torch_dtype,
+                            shape=run.shape, seed=run.seed)
+        alive.append(comm["alive"])
     for p in model.parameters():
         p.grad = None
-    return comm["alive"]
+    return min(alive)
 
 
 def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[str],
@@ -157,9 +164,11 @@ def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[
 
     pd = M.parallel_dims(tp=run.tp)
     frozen = run.build(None, pd)
-    # the allocator's bytes are the smaller of an uncounted first step's and step 0's: under a
+    # the allocator's bytes are the smallest of WARM_COUNTS uncounted steps' and step 0's: under a
     # checkpoint or a compiled graph the first step holds one-off buffers (the compiler's own), and
-    # a gloo worker still holding a finished collective can only add bytes (regather.core.allocated)
+    # a gloo worker still holding a finished collective can only add bytes (regather.core.allocated;
+    # under --compile the collectives' tensors cannot be held on the profiling thread, so this is
+    # the only guard there)
     if run.compile:
         import torch._dynamo
 
