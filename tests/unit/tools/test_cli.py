@@ -51,6 +51,9 @@ REFUSED = [
     (["demo", "--steps", "0"], ["--steps", "0 is not a positive integer"]),
     (["demo", "--tp", "3"], ["--heads 4 is not divisible by --tp 3"]),
     (["bench", "--heads", "5"], ["--heads 5 is not divisible by --tp 2"]),
+    (["bench", "--targets", "linear_foo"], ["'linear_foo'", "linear_qkv"]),
+    (["bench", "--canonical", "--targets", "linear_qkv"], ["'linear_qkv'", "name the projections", "linear_q"]),
+    (["bench", "--targets", "linear_q"], ["'linear_q'", "linear_qkv", "with --canonical"]),
     ]
 
 
@@ -61,6 +64,15 @@ def test_bad_input_is_one_line_naming_the_value(argv, names):
     assert done.returncode != 0 and done.stdout == "", (done.returncode, done.stdout)
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"regather {argv[0]}") and all(n in done.stderr for n in names), done.stderr
+
+
+@pytest.mark.parametrize("argv,status", [(["estimate", "--strategies", "foo"], 2), (["bench", "--strategies", "foo"], 2),
+                                         (["bench", "--targets", "linear_foo"], 2),
+                                         (["bench", "--canonical", "--targets", "linear_qkv"], 1)])
+def test_exit_status_2_for_the_parser_1_after_parsing(argv, status):
+    done = regather(*argv)
+    assert done.returncode == status, done.stderr
+    assert done.stderr.rstrip().endswith("(--help lists the options)") == (status == 2), done.stderr
 
 
 def test_help_says_what_a_flag_does():

@@ -21,13 +21,12 @@ config, TP + SP) against torchtitan's own ``LoRAConverter`` (:mod:`regather.tool
 
 from __future__ import annotations
 
-import argparse
-
 from regather.megatron.canonical import CANONICAL_TARGETS
+from regather.megatron.reasons import ALL_TARGETS
 from regather.tools.bench.moe import DEFAULT_VARIANTS, DISPATCHERS, MoEBenchSpec
 from regather.tools.bench.runner import DEFAULT_TARGETS, BenchSpec
 from regather.tools.bench.titan import TITAN_TARGETS, TitanBenchSpec
-from regather.tools.cmdline import HelpFormatter, non_negative, positive
+from regather.tools.cmdline import HelpFormatter, names, non_negative, positive
 from regather.tools.shapes import EXPERT_KINDS
 
 
@@ -37,16 +36,12 @@ def _strategies(value: str) -> tuple:
     from regather.torchtitan.options import VARIANTS
 
     # --moe has -recompute-redispatch, --torchtitan torchtitan (its own LoRA)
-    known = list(dict.fromkeys(available_strategies() + moe_variants() + list(VARIANTS)))
-    names = tuple(v.strip().lower() for v in value.split(",") if v.strip())
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown strategies {unknown}; this build has {', '.join(known)}")
-    return names
+    return names(value, tuple(dict.fromkeys(available_strategies() + moe_variants() + list(VARIANTS))), "strategies")
 
 
 def _targets(value: str) -> tuple:
-    return tuple(v.strip() for v in value.split(",") if v.strip())
+    # every model's names; the spec's problems() then checks them against the model asked for
+    return names(value, tuple(dict.fromkeys(ALL_TARGETS + CANONICAL_TARGETS + TITAN_TARGETS)), "targets")
 
 
 def register(subparsers) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, replace
 
 from regather.megatron.reasons import ALL_TARGETS, DISPATCHERS
-from regather.tools.cmdline import HelpFormatter, positive
+from regather.tools.cmdline import HelpFormatter, names, positive
 from regather.tools.doctor.setup import MOE_EXPERTS, Setup
 from regather.tools.estimate.config import LAYOUTS, PRESETS, SPECS
 from regather.tools.estimate.options import Given, apply_layout, attention, recipe_help, recipe_targets
@@ -45,21 +45,12 @@ _SIZES = {"hidden": "hidden", "layers": "layers", "heads": "heads", "kv_heads": 
 _PRESET_RUN = {"seq": 8192, "micro_batch": 1, "lora_rank": 16}
 
 
-def _names(value: str, known: tuple, what: str) -> tuple:
-    names = tuple(v.strip() for v in value.split(",") if v.strip())
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{what} {', '.join(unknown) or repr(value)}: expected some of "
-                                         f"{', '.join(known)}")
-    return names
-
-
 def _targets(value: str) -> tuple:
-    return _names(value, ALL_TARGETS, "unknown target")
+    return names(value, ALL_TARGETS, "targets")
 
 
 def _recompute_modules(value: str) -> tuple:
-    return _names(value, RECOMPUTE_MODULES, "unknown recompute module")
+    return names(value, RECOMPUTE_MODULES, "recompute modules")
 
 
 def register(subparsers) -> None:
