@@ -53,6 +53,7 @@ REFUSED = [
     (["bench", "--heads", "5"], ["--heads 5 is not divisible by --tp 2"]),
     (["bench", "--targets", "linear_foo"], ["'linear_foo'", "linear_qkv"]),
     (["bench", "--canonical", "--targets", "linear_qkv"], ["'linear_qkv'", "name the projections", "linear_q"]),
+    (["bench", "--render", "/nonexistent/bench.json"], ["/nonexistent/bench.json", "No such file"]),
     (["bench", "--targets", "linear_q"], ["'linear_q'", "linear_qkv", "with --canonical"]),
     ]
 
@@ -64,6 +65,15 @@ def test_bad_input_is_one_line_naming_the_value(argv, names):
     assert done.returncode != 0 and done.stdout == "", (done.returncode, done.stdout)
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"regather {argv[0]}") and all(n in done.stderr for n in names), done.stderr
+
+
+def test_render_refuses_a_file_that_is_not_a_bench_json(tmp_path):
+    for text, why in (("{bad", "not a bench.json (Expecting"), ("[1]", 'not a bench.json (no "spec")')):
+        (tmp_path / "bench.json").write_text(text)
+        done = regather("bench", "--render", str(tmp_path / "bench.json"))
+        assert done.returncode == 1 and done.stdout == "" and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith(f"regather bench: --render {tmp_path / 'bench.json'}: {why}")
+        assert len(done.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("argv,status", [(["estimate", "--strategies", "foo"], 2), (["bench", "--strategies", "foo"], 2),

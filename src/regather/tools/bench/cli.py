@@ -184,14 +184,27 @@ def titan_spec_from_args(args) -> TitanBenchSpec:
     return spec
 
 
+def _rendered(path: str) -> dict:
+    """An earlier bench.json's summary; exits with one line where it cannot be read."""
+    import json
+
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except OSError as exc:
+        raise SystemExit(f"regather bench: --render {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"regather bench: --render {path}: not a bench.json ({exc})") from None
+    if not isinstance(summary, dict) or "spec" not in summary:
+        raise SystemExit(f"regather bench: --render {path}: not a bench.json (no \"spec\")")
+    return summary
+
+
 def main(args) -> int:
     from regather.tools.bench import moe, moe_report, report, runner, titan, titan_report
 
     if args.render:
-        import json
-
-        with open(args.render) as f:
-            summary = json.load(f)
+        summary = _rendered(args.render)
         shown = {"moe": moe_report, "torchtitan": titan_report}.get(summary.get("mode"), report)
         print(shown.text_table(summary))
         for path in shown.write(summary, args.out) if args.out else ():
