@@ -89,4 +89,8 @@ def test_help_says_what_a_flag_does():
     for command in ("doctor", "estimate", "bench", "demo"):
         text = regather(command, "--help").stdout
         assert "(default: True)" not in text and "(default: False)" not in text and "(default: None)" not in text
-    assert "sequence parallelism off" in regather("doctor", "--help").stdout
+    doctor = " ".join(regather("doctor", "--help").stdout.split())
+    assert "sequence parallelism off" in doctor
+    # docs/tools.md's convention: 2 for what the parser sees, 1 for a layout refused after parsing
+    assert "1 when a finding is an error or a layout is refused after parsing" in doctor
+    assert "2 for what the command line's parser refuses" in doctor

@@ -8,8 +8,9 @@ Transformer Engine, what Bridge's recipes run; ``--spec local``, megatron's loca
 rest saves nothing, beside ``regather estimate``'s figure for the same arguments — then the findings of the
 reference's failure-diagnosis table (the reference: Megatron Bridge's own re-gather,
 ``LoRA(sequence_parallel_input_regather=True)``, measured on H100s), each with its fix; every adapter's own
-decision with ``--verbose``; ``--json`` for all of it. Exit status 1 when a finding is an error, 2 for a
-command line it refuses. The findings are described in :mod:`regather.tools.doctor`.
+decision with ``--verbose``; ``--json`` for all of it. Exit status 1 when a finding is an error or a layout
+is refused after parsing (heads that do not divide over TP), 2 for what the command line's parser refuses
+(an unknown choice, a size that is not a positive integer). The findings are described in :mod:`regather.tools.doctor`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ DESCRIPTION = (
     "report starts with what the run saves per adapter kind and why the rest saves nothing, beside estimate's figure "
     "for the same arguments, then the findings of the reference's failure-diagnosis table (the reference: Megatron "
     "Bridge's own LoRA(sequence_parallel_input_regather=True), measured on H100s), each with its fix. Exit status 1 "
-    "when a finding is an error, 2 for a command line it refuses.")
+    "when a finding is an error or a layout is refused after parsing (heads that do not divide over TP), 2 for what "
+    "the command line's parser refuses (an unknown choice, a size that is not a positive integer).")
 TINY = "tiny"  # --model tiny: the test GPT (Setup's defaults), what --build builds
 DEFAULT_MODEL = "qwen3-8b"
 STRATEGIES = ("gather", "regather", "lowrank")
