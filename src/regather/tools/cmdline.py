@@ -9,6 +9,7 @@
   ``(default: True)`` under ``--no-sp``, which turns something off; not ``None`` for an option whose
   help says what it defaults to).
 - :func:`positive` / :func:`non_negative`: the ``type=`` of sizes, counts and ranks.
+- :func:`names`: the ``type=`` of a comma list of known names (targets, strategies).
 """
 
 from __future__ import annotations
@@ -53,3 +54,13 @@ def positive(value: str) -> int:
 def non_negative(value: str) -> int:
     """An integer >= 0 (widths that may be absent: 0 experts, 0 dense ffn)."""
     return _integer(value, 0, "a non-negative integer")
+
+
+def names(value: str, known, what: str) -> tuple:
+    """A comma list of some of ``known`` (``what``: how the refusal calls one, e.g. ``"targets"``)."""
+    given = tuple(v.strip() for v in value.split(",") if v.strip())
+    unknown = [n for n in given if n not in known]
+    if unknown or not given:
+        raise argparse.ArgumentTypeError(f"unknown {what} {unknown or repr(value)}; expected some of "
+                                         f"{', '.join(known)}")
+    return given

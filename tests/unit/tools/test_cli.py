@@ -51,6 +51,10 @@ REFUSED = [
     (["demo", "--steps", "0"], ["--steps", "0 is not a positive integer"]),
     (["demo", "--tp", "3"], ["--heads 4 is not divisible by --tp 3"]),
     (["bench", "--heads", "5"], ["--heads 5 is not divisible by --tp 2"]),
+    (["bench", "--targets", "linear_foo"], ["'linear_foo'", "linear_qkv"]),
+    (["bench", "--canonical", "--targets", "linear_qkv"], ["'linear_qkv'", "name the projections", "linear_q"]),
+    (["bench", "--render", "/nonexistent/bench.json"], ["/nonexistent/bench.json", "No such file"]),
+    (["bench", "--targets", "linear_q"], ["'linear_q'", "linear_qkv", "with --canonical"]),
     ]
 
 
@@ -63,8 +67,30 @@ def test_bad_input_is_one_line_naming_the_value(argv, names):
     assert done.stderr.startswith(f"regather {argv[0]}") and all(n in done.stderr for n in names), done.stderr
 
 
+def test_render_refuses_a_file_that_is_not_a_bench_json(tmp_path):
+    for text, why in (("{bad", "not a bench.json (Expecting"), ("[1]", 'not a bench.json (no "spec")')):
+        (tmp_path / "bench.json").write_text(text)
+        done = regather("bench", "--render", str(tmp_path / "bench.json"))
+        assert done.returncode == 1 and done.stdout == "" and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith(f"regather bench: --render {tmp_path / 'bench.json'}: {why}")
+        assert len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,status", [(["estimate", "--strategies", "foo"], 2), (["bench", "--strategies", "foo"], 2),
+                                         (["bench", "--targets", "linear_foo"], 2),
+                                         (["bench", "--canonical", "--targets", "linear_qkv"], 1)])
+def test_exit_status_2_for_the_parser_1_after_parsing(argv, status):
+    done = regather(*argv)
+    assert done.returncode == status, done.stderr
+    assert done.stderr.rstrip().endswith("(--help lists the options)") == (status == 2), done.stderr
+
+
 def test_help_says_what_a_flag_does():
     for command in ("doctor", "estimate", "bench", "demo"):
         text = regather(command, "--help").stdout
         assert "(default: True)" not in text and "(default: False)" not in text and "(default: None)" not in text
-    assert "sequence parallelism off" in regather("doctor", "--help").stdout
+    doctor = " ".join(regather("doctor", "--help").stdout.split())
+    assert "sequence parallelism off" in doctor
+    # docs/tools.md's convention: 2 for what the parser sees, 1 for a layout refused after parsing
+    assert "1 when a finding is an error or a layout is refused after parsing" in doctor
+    assert "2 for what the command line's parser refuses" in doctor

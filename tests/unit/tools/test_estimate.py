@@ -719,9 +719,13 @@ def test_cli_front_end_torchtitan(capsys):
     text = capsys.readouterr().out
     assert "saved vs torchtitan's LoRA  : 8.020 GB" in text and "[regather]" not in text
     for argv, said in ((["--ep", "2"], "--ep"), (["--recipe"], "--recipe"), (["--attention", "fused"], "--attention"),
-                       (["--targets", "linear_qkv"], "torchtitan's block linears"),
-                       (["--strategies", "lowrank-plain"], "-plain")):
+                       (["--targets", "linear_qkv"], "torchtitan's block linears")):
         with pytest.raises(SystemExit, match=said):
             cli.main(["estimate", "--front-end", "torchtitan", *argv])
     with pytest.raises(SystemExit, match="add --front-end torchtitan"):
         cli.main(["estimate", "--targets", "wqkv,w1"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:  # the parser's: status 2, the name and the accepted ones
+        cli.main(["estimate", "--front-end", "torchtitan", "--strategies", "lowrank-plain"])
+    assert refused.value.code == 2 and "['lowrank-plain']" in capsys.readouterr().err
+    assert cli.main(["estimate", "--front-end", "torchtitan", "--strategies", "regather-plain-recompute"]) == 0

@@ -21,13 +21,12 @@ config, TP + SP) against torchtitan's own ``LoRAConverter`` (:mod:`regather.tool
 
 from __future__ import annotations
 
-import argparse
-
 from regather.megatron.canonical import CANONICAL_TARGETS
+from regather.megatron.reasons import ALL_TARGETS
 from regather.tools.bench.moe import DEFAULT_VARIANTS, DISPATCHERS, MoEBenchSpec
 from regather.tools.bench.runner import DEFAULT_TARGETS, BenchSpec
 from regather.tools.bench.titan import TITAN_TARGETS, TitanBenchSpec
-from regather.tools.cmdline import HelpFormatter, non_negative, positive
+from regather.tools.cmdline import HelpFormatter, names, non_negative, positive
 from regather.tools.shapes import EXPERT_KINDS
 
 
@@ -37,16 +36,12 @@ def _strategies(value: str) -> tuple:
     from regather.torchtitan.options import VARIANTS
 
     # --moe has -recompute-redispatch, --torchtitan torchtitan (its own LoRA)
-    known = list(dict.fromkeys(available_strategies() + moe_variants() + list(VARIANTS)))
-    names = tuple(v.strip().lower() for v in value.split(",") if v.strip())
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown strategies {unknown}; this build has {', '.join(known)}")
-    return names
+    return names(value, tuple(dict.fromkeys(available_strategies() + moe_variants() + list(VARIANTS))), "strategies")
 
 
 def _targets(value: str) -> tuple:
-    return tuple(v.strip() for v in value.split(",") if v.strip())
+    # every model's names; the spec's problems() then checks them against the model asked for
+    return names(value, tuple(dict.fromkeys(ALL_TARGETS + CANONICAL_TARGETS + TITAN_TARGETS)), "targets")
 
 
 def register(subparsers) -> None:
@@ -189,14 +184,27 @@ def titan_spec_from_args(args) -> TitanBenchSpec:
     return spec
 
 
+def _rendered(path: str) -> dict:
+    """An earlier bench.json's summary; exits with one line where it cannot be read."""
+    import json
+
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except OSError as exc:
+        raise SystemExit(f"regather bench: --render {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"regather bench: --render {path}: not a bench.json ({exc})") from None
+    if not isinstance(summary, dict) or "spec" not in summary:
+        raise SystemExit(f"regather bench: --render {path}: not a bench.json (no \"spec\")")
+    return summary
+
+
 def main(args) -> int:
     from regather.tools.bench import moe, moe_report, report, runner, titan, titan_report
 
     if args.render:
-        import json
-
-        with open(args.render) as f:
-            summary = json.load(f)
+        summary = _rendered(args.render)
         shown = {"moe": moe_report, "torchtitan": titan_report}.get(summary.get("mode"), report)
         print(shown.text_table(summary))
         for path in shown.write(summary, args.out) if args.out else ():

@@ -35,6 +35,7 @@ from regather.tools.bench.runner import (
     progress_printer,
     recompute_counts,
     step_time_ratios,
+    target_problems,
 )
 from regather.tools.shapes import ModelShape, shape_fields
 
@@ -85,6 +86,8 @@ class MoEBenchSpec(BenchSpec):
             out.append(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
         if self.canonical:
             out.append("--canonical is not measured on MoE models by this bench")
+        else:
+            out += target_problems(self.targets, hint=False)
         if self.steps < 2 or self.steps <= self.warmup:
             out.append(f"--steps {self.steps} must be at least 2 and exceed --warmup {self.warmup} (the per-step "
                        "communication leaves out the first step)")

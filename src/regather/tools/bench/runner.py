@@ -43,7 +43,7 @@ class BenchSpec(ModelShape, RunShape):
 
     def problems(self) -> list[str]:
         """Every reason this spec cannot run (empty: it can)."""
-        out = tp_problems(self, self.tp, self.seq, self.sp)
+        out = tp_problems(self, self.tp, self.seq, self.sp) + target_problems(self.targets, self.canonical)
         if self.steps <= self.warmup:
             out.append(f"--steps ({self.steps}) must exceed --warmup ({self.warmup})")
         return out
@@ -59,6 +59,25 @@ class BenchSpec(ModelShape, RunShape):
                          lora_B_init_method="normal", seed=self.seed, warmup=self.warmup,
                          input_requires_grad=self.input_requires_grad, swiglu=self.canonical,
                          canonical=self.canonical)
+
+
+def target_problems(targets, canonical: bool = False, hint: bool = True) -> list[str]:
+    """What ``LoRA`` (``CanonicalLoRA`` with ``canonical``) would refuse in ``targets`` on bench's GPT,
+    found before any rank starts; CanonicalLoRA's own rule says why a fused linear is refused.
+    ``hint``: name ``--canonical``'s targets beside (not where the model has no canonical run)."""
+    from regather.megatron.canonical import CANONICAL_TARGETS, CanonicalLoRA
+
+    if canonical:
+        try:
+            CanonicalLoRA(target_modules=list(targets))
+        except ValueError as exc:
+            return [f"--canonical --targets: {exc}"]
+    known = CANONICAL_TARGETS if canonical else DEFAULT_TARGETS
+    unknown = [t for t in targets if t not in known]
+    if not unknown:
+        return []
+    other = "" if canonical or not hint else f" ({', '.join(CANONICAL_TARGETS)}: with --canonical)"
+    return [f"--targets {unknown}: not a linear of this GPT; expected some of {', '.join(known)}{other}"]
 
 
 def available_strategies() -> list[str]:

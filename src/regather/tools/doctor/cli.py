@@ -8,8 +8,9 @@ Transformer Engine, what Bridge's recipes run; ``--spec local``, megatron's loca
 rest saves nothing, beside ``regather estimate``'s figure for the same arguments — then the findings of the
 reference's failure-diagnosis table (the reference: Megatron Bridge's own re-gather,
 ``LoRA(sequence_parallel_input_regather=True)``, measured on H100s), each with its fix; every adapter's own
-decision with ``--verbose``; ``--json`` for all of it. Exit status 1 when a finding is an error, 2 for a
-command line it refuses. The findings are described in :mod:`regather.tools.doctor`.
+decision with ``--verbose``; ``--json`` for all of it. Exit status 1 when a finding is an error or a layout
+is refused after parsing (heads that do not divide over TP), 2 for what the command line's parser refuses
+(an unknown choice, a size that is not a positive integer). The findings are described in :mod:`regather.tools.doctor`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, replace
 
 from regather.megatron.reasons import ALL_TARGETS, DISPATCHERS
-from regather.tools.cmdline import HelpFormatter, positive
+from regather.tools.cmdline import HelpFormatter, names, positive
 from regather.tools.doctor.setup import MOE_EXPERTS, Setup
 from regather.tools.estimate.config import LAYOUTS, PRESETS, SPECS
 from regather.tools.estimate.options import Given, apply_layout, attention, recipe_help, recipe_targets
@@ -32,7 +33,8 @@ DESCRIPTION = (
     "report starts with what the run saves per adapter kind and why the rest saves nothing, beside estimate's figure "
     "for the same arguments, then the findings of the reference's failure-diagnosis table (the reference: Megatron "
     "Bridge's own LoRA(sequence_parallel_input_regather=True), measured on H100s), each with its fix. Exit status 1 "
-    "when a finding is an error, 2 for a command line it refuses.")
+    "when a finding is an error or a layout is refused after parsing (heads that do not divide over TP), 2 for what "
+    "the command line's parser refuses (an unknown choice, a size that is not a positive integer).")
 TINY = "tiny"  # --model tiny: the test GPT (Setup's defaults), what --build builds
 DEFAULT_MODEL = "qwen3-8b"
 STRATEGIES = ("gather", "regather", "lowrank")
@@ -45,21 +47,12 @@ _SIZES = {"hidden": "hidden", "layers": "layers", "heads": "heads", "kv_heads": 
 _PRESET_RUN = {"seq": 8192, "micro_batch": 1, "lora_rank": 16}
 
 
-def _names(value: str, known: tuple, what: str) -> tuple:
-    names = tuple(v.strip() for v in value.split(",") if v.strip())
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{what} {', '.join(unknown) or repr(value)}: expected some of "
-                                         f"{', '.join(known)}")
-    return names
-
-
 def _targets(value: str) -> tuple:
-    return _names(value, ALL_TARGETS, "unknown target")
+    return names(value, ALL_TARGETS, "targets")
 
 
 def _recompute_modules(value: str) -> tuple:
-    return _names(value, RECOMPUTE_MODULES, "unknown recompute module")
+    return names(value, RECOMPUTE_MODULES, "recompute modules")
 
 
 def register(subparsers) -> None:

@@ -10,7 +10,7 @@ import argparse
 from dataclasses import replace
 
 from regather.megatron.reasons import ALL_TARGETS, REPLAYED_DISPATCHERS
-from regather.tools.cmdline import HelpFormatter, non_negative, positive
+from regather.tools.cmdline import HelpFormatter, names, non_negative, positive
 from regather.tools.estimate.config import ALL_STRATEGIES, ATTENTION, EXPERT_LORA, LAYOUTS, PRESETS, SPECS, Model, Run
 from regather.tools.estimate.options import (
     Given,
@@ -30,12 +30,24 @@ _SIZES = {"hidden": "hidden", "ffn": "ffn", "layers": "layers", "heads": "heads"
 
 
 def _targets(value: str) -> tuple:
-    names = tuple(v.strip() for v in value.split(",") if v.strip())
-    bad = [n for n in names if n not in ALL_TARGETS + TITAN_TARGETS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown targets {bad}; expected some of {', '.join(ALL_TARGETS)} "
-                                         f"(--front-end torchtitan: {', '.join(TITAN_TARGETS)})")
-    return names
+    return names(value, ALL_TARGETS + TITAN_TARGETS, "targets")
+
+
+def _titan_variant(name: str) -> bool:
+    from regather.torchtitan.options import variant_fields
+
+    try:
+        variant_fields(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _strategies(value: str) -> tuple:
+    # torchtitan's variants too (<strategy>[-plain][-recompute]): --front-end picks, after parsing
+    listed = tuple(dict.fromkeys(ALL_STRATEGIES + tuple(TITAN_VARIANTS)))
+    grammar = tuple(n.strip() for n in value.split(",") if _titan_variant(n.strip()))
+    return names(value, listed + tuple(n for n in grammar if n not in listed), "strategies")
 
 
 # the options that ask for the same-work lines (the default report stays as it was)
@@ -88,7 +100,7 @@ def register(subparsers) -> None:
                         "attention), so linear_proj's LoRA-A input is 0 new bytes on every strategy; unfused: "
                         "megatron's local attention (saves probs and V). Default: fused on --spec te, unfused on "
                         "--spec local")
-    p.add_argument("--strategies", default=",".join(ALL_STRATEGIES), action=Given,
+    p.add_argument("--strategies", type=_strategies, default=",".join(ALL_STRATEGIES), action=Given,
                    help="some of " + ", ".join(ALL_STRATEGIES) + " (-recompute: recompute_adapter_inputs=True); "
                         "--front-end torchtitan: some of " + ", ".join(TITAN_VARIANTS))
     p.add_argument("--input-requires-grad", action="store_true",
@@ -146,8 +158,7 @@ def titan_from_args(args) -> tuple[Model, Run, tuple]:
         raise SystemExit(f"regather estimate --front-end torchtitan: targets {bad}: torchtitan's block linears are "
                          f"{', '.join(TITAN_TARGETS)}")
     run = replace(run_from_args(args), targets=targets, lora_rank=args.lora_rank if "lora_rank" in on_line else 8)
-    variants = tuple(s.strip() for s in args.strategies.split(",") if s.strip()) if "strategies" in on_line \
-        else TITAN_VARIANTS
+    variants = tuple(args.strategies) if "strategies" in on_line else TITAN_VARIANTS
     for name in variants:
         try:
             variant_fields(name)
@@ -187,10 +198,11 @@ def main(args) -> int:
     titan = [t for t in run.targets if t in TITAN_TARGETS]
     if titan:
         raise SystemExit(f"regather estimate: targets {titan} are torchtitan's names: add --front-end torchtitan")
-    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    strategies = tuple(args.strategies)
     unknown = [s for s in strategies if s not in ALL_STRATEGIES]
     if unknown:
-        raise SystemExit(f"regather estimate: unknown strategies {unknown}; expected some of {ALL_STRATEGIES}")
+        raise SystemExit(f"regather estimate: strategies {unknown} are --front-end torchtitan's; megatron's are "
+                         f"{', '.join(ALL_STRATEGIES)}")
     try:
         result = estimate(model, run, strategies)
     except ValueError as exc:  # sizes that do not divide: say which
