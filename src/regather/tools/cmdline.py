@@ -10,6 +10,8 @@
   help says what it defaults to).
 - :func:`positive` / :func:`non_negative`: the ``type=`` of sizes, counts and ranks.
 - :func:`names`: the ``type=`` of a comma list of known names (targets, strategies).
+- :func:`wrapped`: a report's text lines at most :data:`WIDTH` columns wide (tables fit it by
+  their own layout; ``--json`` / ``--out`` carry everything whole).
 """
 
 from __future__ import annotations
@@ -64,3 +66,23 @@ def names(value: str, known, what: str) -> tuple:
         raise argparse.ArgumentTypeError(f"unknown {what} {unknown or repr(value)}; expected some of "
                                          f"{', '.join(known)}")
     return given
+
+
+#: the terminal width every report's text fits
+WIDTH = 120
+
+
+def wrapped(lines: list[str], width: int = WIDTH) -> list[str]:
+    """Each line wrapped at ``width`` between words, its continuation indented four columns past
+    the line's own indent; a line that fits comes back unchanged."""
+    import textwrap
+
+    out: list[str] = []
+    for text in lines:
+        if len(text) <= width:
+            out.append(text)
+            continue
+        lead = " " * (len(text) - len(text.lstrip(" ")))
+        out += textwrap.wrap(text.strip(" "), width, initial_indent=lead, subsequent_indent=lead + "    ",
+                             break_long_words=False, break_on_hyphens=False)
+    return out

@@ -29,6 +29,17 @@ def test_doctor_and_estimate_print_the_same_saving():
     assert max(map(len, lines)) <= 120 and doctor.stderr == ""
 
 
+@pytest.mark.parametrize("argv", [["--model", "qwen3-8b", "--tp", "2", "--seq", "8192"],
+                                  ["--recipe", "qwen3-8b-reference"],
+                                  ["--front-end", "torchtitan", "--tp", "2", "--seq", "8192"]],
+                         ids=["qwen3-8b", "reference-recipe", "torchtitan"])
+def test_estimate_fits_120_columns(argv):
+    """Its notes reached 295 columns with the reference's recipe; wrapped now, the figures unchanged."""
+    out = regather("estimate", *argv)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert max(map(len, out.stdout.splitlines())) <= 120
+
+
 def test_doctor_verbose_lists_every_adapter():
     from regather.tools.estimate import PRESETS, Run, saved_vs_gather
 

@@ -12,6 +12,7 @@ import shlex
 
 from regather.megatron.reasons import ALL_TARGETS, EXPERT_TARGETS
 from regather.tools.bench import report
+from regather.tools.cmdline import wrapped
 
 KIND_ORDER = ALL_TARGETS + ("shared_experts.linear_fc1", "shared_experts.linear_fc2") + EXPERT_TARGETS
 
@@ -158,7 +159,7 @@ def text_table(summary: dict) -> str:
     lines += report.text_rows(*comm_rows(summary))
     lines += ["", "step time (slowest rank) and parity (max over ranks and steps):"]
     lines += report.text_rows(*time_rows(summary))
-    return "\n".join(lines + [""] + report.wrapped(notes(summary)))
+    return "\n".join(lines + [""] + wrapped(notes(summary)))
 
 
 def spec_line(spec: dict, world: int) -> str:

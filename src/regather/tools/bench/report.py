@@ -11,6 +11,8 @@ import os
 import platform
 import shlex
 
+from regather.tools.cmdline import WIDTH, wrapped
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 
@@ -144,7 +146,6 @@ def ratio_cell(r: dict, what: str) -> str:
 
 
 #: Columns the terminal output fits in; bench.md (``--out``) and bench.json carry every table whole.
-WIDTH = 120
 
 
 def text_rows(head: list[str], rows: list[list[str]], width: int = WIDTH) -> list[str]:
@@ -167,14 +168,6 @@ def text_rows(head: list[str], rows: list[list[str]], width: int = WIDTH) -> lis
         out += ([""] if out else []) + [line(head, cols), "  ".join("-" * widths[i] for i in cols)]
         out += [line(r, cols) for r in rows]
     return out
-
-
-def wrapped(lines: list[str], width: int = WIDTH) -> list[str]:
-    """Notes for the terminal: each one wrapped at ``width``, its continuation lines indented."""
-    import textwrap
-
-    return [part for text in lines for part in textwrap.wrap(text, width, subsequent_indent="    ",
-                                                             break_long_words=False, break_on_hyphens=False) or [""]]
 
 
 def markdown_rows(head: list[str], rows: list[list[str]]) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from regather.tools.bench import report
 from regather.tools.bench.titan import PHASES, TITAN_TARGETS
+from regather.tools.cmdline import wrapped
 
 
 def command_line(spec: dict, out: str | None = None) -> str:
@@ -114,10 +115,10 @@ def text_table(summary: dict) -> str:
     lines = [f"saved in the first forward per rank, {unit} ({what}):"]
     lines += report.text_rows(*bytes_rows(summary))
     lines += ["", f"communication of the first step per rank, {unit}:"]
-    lines += report.wrapped([NOT_COUNTED]) if _compiled(summary) else report.text_rows(*comm_rows(summary))
+    lines += wrapped([NOT_COUNTED]) if _compiled(summary) else report.text_rows(*comm_rows(summary))
     lines += ["", "step time (slowest rank) and parity with torchtitan's LoRA:"]
     lines += report.text_rows(*time_rows(summary))
-    return "\n".join(lines + [""] + report.wrapped(notes(summary)))
+    return "\n".join(lines + [""] + wrapped(notes(summary)))
 
 
 def spec_line(spec: dict) -> str:

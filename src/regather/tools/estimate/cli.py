@@ -10,7 +10,7 @@ import argparse
 from dataclasses import replace
 
 from regather.megatron.reasons import ALL_TARGETS, REPLAYED_DISPATCHERS
-from regather.tools.cmdline import HelpFormatter, names, non_negative, positive
+from regather.tools.cmdline import HelpFormatter, names, non_negative, positive, wrapped
 from regather.tools.estimate.config import ALL_STRATEGIES, ATTENTION, EXPERT_LORA, LAYOUTS, PRESETS, SPECS, Model, Run
 from regather.tools.estimate.options import (
     Given,
@@ -179,7 +179,7 @@ def titan_main(args) -> int:
     except ValueError as exc:  # sizes that do not divide: say which
         raise SystemExit(f"regather estimate --front-end torchtitan: {exc}") from None
     print(json.dumps(titan_as_json(model, run, result, upcasts), indent=1) if args.json
-          else format_titan_report(model, run, result, upcasts))
+          else "\n".join(wrapped(format_titan_report(model, run, result, upcasts).splitlines())))
     return 0
 
 
@@ -217,5 +217,5 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(as_json(model, run, result, ref, same, local), indent=1))
     else:
-        print(format_report(model, run, result, ref, same, local))
+        print("\n".join(wrapped(format_report(model, run, result, ref, same, local).splitlines())))
     return 0
