@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 
 #: Bytes per element of the activation / gradient dtypes the tools accept.
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+#: the short names of :data:`DTYPE_BYTES` and the torch names they stand for
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: How a MoE layer's experts are built: one module per expert (megatron's ``SequentialMLP``) or one
 #: grouped GEMM for the local experts (``TEGroupedMLP``, ``moe_grouped_gemm=True``).
 EXPERT_KINDS = ("sequential", "grouped")

@@ -66,6 +66,7 @@ REFUSED = [
     (["bench", "--canonical", "--targets", "linear_qkv"], ["'linear_qkv'", "name the projections", "linear_q"]),
     (["bench", "--render", "/nonexistent/bench.json"], ["/nonexistent/bench.json", "No such file"]),
     (["bench", "--targets", "linear_q"], ["'linear_q'", "linear_qkv", "with --canonical"]),
+    (["doctor", "--te-version", "abc"], ["'abc'", "2.18"]),
     ]
 
 
@@ -76,6 +77,13 @@ def test_bad_input_is_one_line_naming_the_value(argv, names):
     assert done.returncode != 0 and done.stdout == "", (done.returncode, done.stdout)
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"regather {argv[0]}") and all(n in done.stderr for n in names), done.stderr
+
+
+def test_doctor_takes_estimates_dtype_names():
+    """``--dtype bf16`` as estimate takes it: the same report as ``bfloat16``."""
+    short, long = regather("doctor", "--dtype", "bf16"), regather("doctor", "--dtype", "bfloat16")
+    assert short.returncode == long.returncode == 0, short.stderr
+    assert short.stdout == long.stdout
 
 
 def test_render_refuses_a_file_that_is_not_a_bench_json(tmp_path):

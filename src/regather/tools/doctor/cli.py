@@ -25,7 +25,7 @@ from regather.tools.cmdline import HelpFormatter, names, positive
 from regather.tools.doctor.setup import MOE_EXPERTS, Setup
 from regather.tools.estimate.config import LAYOUTS, PRESETS, SPECS
 from regather.tools.estimate.options import Given, apply_layout, attention, recipe_help, recipe_targets
-from regather.tools.shapes import EXPERT_KINDS
+from regather.tools.shapes import DTYPE_BYTES, DTYPE_NAMES, EXPERT_KINDS
 
 DESCRIPTION = (
     "What LoRA-A keeps and saves on your model and run, and what in your settings stands in the way. The model and "
@@ -53,6 +53,15 @@ def _targets(value: str) -> tuple:
 
 def _recompute_modules(value: str) -> tuple:
     return names(value, RECOMPUTE_MODULES, "recompute modules")
+
+
+def _te_version(value: str) -> str:
+    """``--te-version``: a version TE could have (``2.18``, ``2.18.0``, ``2.4.0.dev0+abc``)."""
+    from regather.megatron.dense.te_release import version_tuple
+
+    if version_tuple(value) is None:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a Transformer Engine version such as 2.18 or 2.18.0")
+    return value
 
 
 def register(subparsers) -> None:
@@ -100,7 +109,7 @@ def register(subparsers) -> None:
                    help="micro-batch size (default: 1 for a preset, as estimate; 2 for the tiny GPT)")
     r.add_argument("--pp", type=positive, default=1, help="pipeline stages (layers per GPU = layers/pp)")
     r.add_argument("--in-flight", type=positive, default=1, help="micro-batches alive at once")
-    r.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    r.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="as regather estimate's")
     r.add_argument("--recipe", nargs="?", const=True, default=False, choices=sorted(LAYOUTS), metavar="LAYOUT",
                    help=recipe_help(""))
     lora = p.add_argument_group("LoRA")
@@ -119,7 +128,7 @@ def register(subparsers) -> None:
     lora.add_argument("--bridge-lora", action="store_true",
                       help="the run uses Megatron Bridge's own LoRA (--strategy regather: with "
                            "sequence_parallel_input_regather=True): checks what it asks Transformer Engine for")
-    lora.add_argument("--te-version", default=None,
+    lora.add_argument("--te-version", default=None, type=_te_version,
                       help="the Transformer Engine version of the run (default: the one installed here, if any)")
     f = p.add_argument_group("features that change eligibility or the allocator")
     f.add_argument("--use-nccl-ub", action="store_true", help="NCCL user-buffer registration (nccl_ub)")
@@ -177,7 +186,7 @@ def setup_from_args(args) -> Setup:
         base, **sizes, experts=args.experts or base.experts, dispatcher=args.dispatcher, ep=args.ep, etp=args.etp,
         share_expert_adapters=args.share_expert_adapters, redispatch_expert_inputs=args.redispatch_expert_inputs,
         tp=args.tp, pp=args.pp, sp=args.sp, seq=args.seq or base.seq, micro_batch=args.micro_batch or base.micro_batch,
-        in_flight=args.in_flight, dtype=args.dtype, strategy=args.strategy, targets=tuple(targets), lora_rank=rank,
+        in_flight=args.in_flight, dtype=DTYPE_NAMES.get(args.dtype, args.dtype), strategy=args.strategy, targets=tuple(targets), lora_rank=rank,
         use_nccl_ub=args.use_nccl_ub, cuda_graphs=args.cuda_graphs, cpu_offloading=args.cpu_offloading,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_modules=tuple(args.recompute_modules), recompute_adapter_inputs=args.recompute_adapter_inputs,
