@@ -12,7 +12,10 @@ from regather.tools.doctor.savings import redispatch_finding, saving_finding
 from regather.tools.doctor.setup import Finding, Setup
 from regather.tools.doctor.te_gradient import te_gradient_finding
 
-_BY_DESIGN = ("base layer", "module is in eval mode", "autograd is disabled", "running inside")
+# fallbacks by design: info, not warning. "sequence parallelism is off": the run's setting, which
+# the run-level finding regather-no-effect states once (not one warning per adapter)
+_BY_DESIGN = ("base layer", "module is in eval mode", "autograd is disabled", "running inside",
+              "sequence parallelism is off")
 # reasons to keep an input under recompute_adapter_inputs that point at something to change
 _UNEXPECTED_KEPT = ("dropout is applied", "the adapter input is not", "CPU activation", "selective recompute",
                     "no producer attached")
