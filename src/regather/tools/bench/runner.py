@@ -104,20 +104,26 @@ def _use_nccl(rank: int, world_size: int, init_file: str):
     return torch.device("cuda", rank)
 
 
-def progress_printer(rank: int, strategies, steps: int, quiet: bool):
-    """Rank 0's progress line on stderr (a ``progress(name, step, seconds)`` callback), or None."""
+def progress_printer(rank: int, strategies, steps: int, quiet: bool, stream=None):
+    """Rank 0's progress on stderr (a ``progress(name, step, seconds)`` callback), or None: one line
+    rewritten in place on a terminal; elsewhere (a log, a pipe) a line per tenth of the steps done."""
     if rank != 0 or quiet:
         return None
+    stream = stream or sys.stderr
+    tty = stream.isatty()
     start = time.perf_counter()
     total = steps * len(strategies)
+    width = max(map(len, strategies))
     done = [0]
 
     def progress(name: str, step: int, seconds: float) -> None:
         done[0] += 1
-        print(f"\r[{done[0]:>4}/{total}] step {step + 1}/{steps} {name:<10} {seconds * 1e3:9.1f} ms"
-              f"  (elapsed {time.perf_counter() - start:6.1f} s)", end="", file=sys.stderr, flush=True)
-        if done[0] == total:
-            print(file=sys.stderr, flush=True)
+        line = (f"[{done[0]:>4}/{total}] step {step + 1}/{steps} {name:<{width}} {seconds * 1e3:9.1f} ms"
+                f"  (elapsed {time.perf_counter() - start:6.1f} s)")
+        if tty:
+            print("\r" + line, end="\n" if done[0] == total else "", file=stream, flush=True)
+        elif done[0] * 10 // total > (done[0] - 1) * 10 // total:
+            print(line, file=stream, flush=True)
 
     return progress
 
