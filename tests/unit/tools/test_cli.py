@@ -67,6 +67,7 @@ REFUSED = [
     (["bench", "--render", "/nonexistent/bench.json"], ["/nonexistent/bench.json", "No such file"]),
     (["bench", "--targets", "linear_q"], ["'linear_q'", "linear_qkv", "with --canonical"]),
     (["doctor", "--te-version", "abc"], ["'abc'", "2.18"]),
+    (["estimate", "--model", "qwen3-8b", "--experts", "8"], ["--experts 8", "Qwen3-8B", "--topk and --moe-ffn"]),
     ]
 
 

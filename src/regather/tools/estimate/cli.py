@@ -125,6 +125,12 @@ def model_from_args(args) -> Model:
     """The preset with the custom sizes given (its name marked ``(custom)``) and the dispatcher."""
     model = PRESETS[args.model]
     custom = {field: getattr(args, flag) for flag, field in _SIZES.items() if getattr(args, flag) is not None}
+    if custom.get("num_experts") and not model.num_experts:
+        missing = [f"--{flag}" for flag in ("topk", "moe-ffn") if getattr(args, flag.replace("-", "_")) is None]
+        if missing:  # a dense preset made MoE: its routing and expert size are not the preset's to give
+            raise SystemExit(f"regather estimate: --experts {custom['num_experts']} on the dense {model.name} needs "
+                             f"{' and '.join(missing)} too (a MoE preset: "
+                             + ", ".join(k for k, m in sorted(PRESETS.items()) if m.num_experts) + ")")
     return replace(model, name=model.name + (" (custom)" if custom else ""), dispatcher=args.dispatcher, **custom)
 
 
