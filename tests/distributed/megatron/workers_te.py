@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from regather.core.accounting import CollectiveBytes
 from regather.core.allocated import AllocatedBytes
@@ -26,17 +25,6 @@ STRATEGIES = ("gather", "regather", "lowrank")
 LAYOUTS = ("tp2_sp", "tp2", "tp1")
 SEED = 5
 REPEATS = 4  # bytes: the smallest of this many forwards after the first (regather.core.allocated: the collectives settled)
-
-
-class Holder(nn.Module):
-    """A model around one TE base, ``linear_qkv`` (LoRA's fallback log flushes after its forward)."""
-
-    def __init__(self, base):
-        super().__init__()
-        self.linear_qkv = base
-
-    def forward(self, x):
-        return self.linear_qkv(x)
 
 
 def groups(rank: int) -> dict:
@@ -80,6 +68,8 @@ def reference(base, a_full, b_full, scale, x_full, dy_full, dtype):
 
 
 def run_case(rank, behaviour, strategy, layout, recompute, group) -> dict:
+    from tests.harness.te_model import Holder
+
     from regather import LoRA
 
     t, sp = dist.get_world_size(group), layout == "tp2_sp"
@@ -188,6 +178,8 @@ def run_matrix(rank, world, items) -> dict:
 
 def run_bias_forms(rank, world, strategy) -> dict:
     """megatron's ``(out, bias, ln_out)`` form (skip_bias_add with a bias) unpacked, TP2 + SP."""
+    from tests.harness.te_model import Holder
+
     from regather import LoRA
     from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 

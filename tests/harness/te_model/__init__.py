@@ -25,13 +25,14 @@ from tests.harness.te_model.behaviour import (
     te_behaviour,
 )
 from tests.harness.te_model.modules import TEColumnParallelLinear, TELayerNormColumnParallelLinear, TERowParallelLinear
-from tests.harness.te_model.spec import build_te_gpt, te_config, te_layer_spec, te_linear
+from tests.harness.te_model.spec import Holder, build_te_gpt, te_config, te_layer_spec, te_linear
 
 __all__ = [
     "BEHAVIOURS",
     "TE_2_3",
     "TE_2_18",
     "Behaviour",
+    "Holder",
     "TEColumnParallelLinear",
     "TELayerNormColumnParallelLinear",
     "TERowParallelLinear",

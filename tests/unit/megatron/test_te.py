@@ -24,6 +24,7 @@ from tests.harness.te_model import (
     BEHAVIOURS,
     TE_2_3,
     TE_2_18,
+    Holder,
     TEColumnParallelLinear,
     TELayerNormColumnParallelLinear,
     clear_tensor_data,
@@ -46,16 +47,6 @@ def _column(h=16, o=24, group=None):
                                   gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
                                   tp_group=group)
 
-
-class Holder(nn.Module):
-    """A model around one TE base (LoRA's fallback log flushes after the model's forward)."""
-
-    def __init__(self, base):
-        super().__init__()
-        self.linear_qkv = base
-
-    def forward(self, x):
-        return self.linear_qkv(x)
 
 
 def _frozen(base):
