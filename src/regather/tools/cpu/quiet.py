@@ -29,6 +29,10 @@ was allocated before the profiling started``             allocated before it (wh
                                                          out by design): ``TORCH_CPP_LOG_LEVEL``, read when
                                                          torch loads, so only the command sets it, before
                                                          its ranks start (:func:`quiet_command`)
+``is_opaque_value is deprecated, use is_custom_class_obj torch 2.14's own partitioner calls its deprecated
+instead``                                                function, once per compiled graph per rank, under
+                                                         ``--compile``: a filter on the logger
+                                                         ``torch._library.opaque_object`` (:data:`LOG_FILTERS`)
 ======================================================== ==================================================
 
 A value already in the environment wins: ``KINETO_LOG_LEVEL=0`` or ``TORCH_CPP_LOG_LEVEL=INFO`` shows
@@ -37,6 +41,7 @@ everything again. Errors are not filtered: a rank that fails reports its traceba
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -47,16 +52,34 @@ FILTERS = (
     (r"DTensor random operators may not have complete support on cpu device mesh", UserWarning),
     (r"Torchinductor does not support code generation for complex operators", UserWarning),
 )
+#: (logger, text) of the log records dropped.
+LOG_FILTERS = (("torch._library.opaque_object", "is_opaque_value is deprecated"),)
 #: Set (where unset) for the ranks: kineto logs nothing below this level (6: its ``USDT`` lines too).
 ENVIRONMENT = {"KINETO_LOG_LEVEL": "6"}
 #: Set (where unset) by the command before its ranks start: c10's warnings off, its errors kept.
 COMMAND_ENVIRONMENT = {**ENVIRONMENT, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
+class _Drop(logging.Filter):
+    """Drops the records whose message contains ``text``."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
 def filter_warnings() -> None:
-    """Install :data:`FILTERS` in this process (idempotent: ``warnings`` keeps one copy of each)."""
+    """Install :data:`FILTERS` and :data:`LOG_FILTERS` in this process (idempotent: ``warnings`` keeps
+    one copy of each; a logger gets each drop once)."""
     for message, category in FILTERS:
         warnings.filterwarnings("ignore", message=message, category=category)
+    for name, text in LOG_FILTERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) and f.text == text for f in logger.filters):
+            logger.addFilter(_Drop(text))
 
 
 def quiet_rank() -> None:
