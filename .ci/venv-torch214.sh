@@ -35,20 +35,9 @@ PINS=requirements-torch214.txt
 DEV=requirements-dev.txt
 STAMP=$VENV/.regather-torch214.stamp
 
-is_311() { [ -n "$1" ] && [ -x "$1" ] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' >/dev/null 2>&1; }
+. .ci/find-python.sh
 
-find_python311() {  # the first candidate that runs and is 3.11 (a pyenv shim on PATH may not run)
-    local c candidates=("${PYTHON311:-}" "$(command -v python3.11 || true)")
-    if command -v pyenv >/dev/null 2>&1; then
-        candidates+=($(ls -d "$(pyenv root)"/versions/3.11.*/bin/python 2>/dev/null | sort -rV || true))
-    fi
-    for c in "${candidates[@]}"; do
-        is_311 "$c" && { echo "$c"; return 0; }
-    done
-    return 1
-}
-
-PY=$(find_python311) || { echo "SKIP: no Python 3.11 (set PYTHON311, or put python3.11 on PATH): the torch 2.14 tier needs it"; exit $SKIP_STATUS; }
+PY=$(find_python 3.11) || { echo "SKIP: no Python 3.11 (set PYTHON311, or put python3.11 on PATH): the torch 2.14 tier needs it"; exit $SKIP_STATUS; }
 
 want=$( { cat "$PINS" "$DEV"; "$PY" -VV; echo "build revision $BUILD_REVISION"; } | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then

@@ -30,20 +30,9 @@ VENV=$1
 REQS=requirements-py312.txt
 STAMP=$VENV/.regather-py312.stamp
 
-is_312() { [ -n "$1" ] && [ -x "$1" ] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }
+. .ci/find-python.sh
 
-find_python312() {  # the first candidate that runs and is 3.12 (a pyenv shim on PATH may not run)
-    local c candidates=("${PYTHON312:-}" "$(command -v python3.12 || true)")
-    if command -v pyenv >/dev/null 2>&1; then
-        candidates+=($(ls -d "$(pyenv root)"/versions/3.12.*/bin/python 2>/dev/null | sort -rV || true))
-    fi
-    for c in "${candidates[@]}"; do
-        is_312 "$c" && { echo "$c"; return 0; }
-    done
-    return 1
-}
-
-PY312=$(find_python312) || { echo "SKIP: no Python 3.12 (set PYTHON312, or put python3.12 on PATH, or install it with pyenv): the recipe tier needs it"; exit $SKIP_STATUS; }
+PY312=$(find_python 3.12) || { echo "SKIP: no Python 3.12 (set PYTHON312, or put python3.12 on PATH, or install it with pyenv): the recipe tier needs it"; exit $SKIP_STATUS; }
 
 want=$( { cat "$REQS"; "$PY312" -VV; echo "build revision $BUILD_REVISION"; } | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
