@@ -35,7 +35,7 @@ PINS=requirements-torch214.txt
 DEV=requirements-dev.txt
 STAMP=$VENV/.regather-torch214.stamp
 
-. .ci/find-python.sh
+. .ci/common.sh
 
 PY=$(find_python 3.11) || { echo "SKIP: no Python 3.11 (set PYTHON311, or put python3.11 on PATH): the torch 2.14 tier needs it"; exit $SKIP_STATUS; }
 
@@ -60,14 +60,9 @@ if [ -n "$dups" ]; then
     exit 2
 fi
 
-wheel_dirs=()
-for d in ${REGATHER_WHEEL_DIRS:-/opt/wheels /opt/pypi/files /opt/pypi-more/files}; do
-    [ -d "$d" ] && wheel_dirs+=(--find-links "$d")
-done
-local_from=(--no-index "${wheel_dirs[@]}")
-if [ ${#wheel_dirs[@]} -eq 0 ]; then  # the same pinned wheels from the package index: ~2.9 GB to download
+local_wheels
+if [ ${#LOCAL_WHEELS[@]} -eq 0 ]; then  # the same pinned wheels from the package index: ~2.9 GB to download
     echo "no local wheel folder (REGATHER_WHEEL_DIRS): torch and the CUDA wheels come from the package index"
-    local_from=()
 fi
 
 case "$(realpath -m "$VENV")" in
@@ -91,7 +86,7 @@ quiet() {  # stderr without pip's line per package its configured file:// indexe
 quiet "${PIP[@]}" install --no-deps $(section bootstrap)
 t=$(date +%s)
 # shellcheck disable=SC2046
-"${PIP[@]}" install --no-deps "${local_from[@]}" $(section torch) $(section cuda)
+"${PIP[@]}" install --no-deps "${LOCAL_WHEELS[@]}" $(section torch) $(section cuda)
 echo "  torch, triton and the CUDA wheels: $(( $(date +%s) - t )) s"
 t=$(date +%s)
 # shellcheck disable=SC2046,SC2086

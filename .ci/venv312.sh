@@ -30,7 +30,7 @@ VENV=$1
 REQS=requirements-py312.txt
 STAMP=$VENV/.regather-py312.stamp
 
-. .ci/find-python.sh
+. .ci/common.sh
 
 PY312=$(find_python 3.12) || { echo "SKIP: no Python 3.12 (set PYTHON312, or put python3.12 on PATH, or install it with pyenv): the recipe tier needs it"; exit $SKIP_STATUS; }
 
@@ -45,14 +45,9 @@ section() {  # the pins under "# [name]" in $REQS, up to the next section
                       s == want && /^[A-Za-z0-9]/ { print $1 }' "$REQS"
 }
 
-wheel_dirs=()
-for d in ${REGATHER_WHEEL_DIRS:-/opt/wheels /opt/pypi/files /opt/pypi-more/files}; do
-    [ -d "$d" ] && wheel_dirs+=(--find-links "$d")
-done
-cuda_from=(--no-index "${wheel_dirs[@]}")
-if [ ${#wheel_dirs[@]} -eq 0 ]; then  # the same pinned wheels from the package index: ~3 GB to download
+local_wheels
+if [ ${#LOCAL_WHEELS[@]} -eq 0 ]; then  # the same pinned wheels from the package index: ~3 GB to download
     echo "no local wheel folder (REGATHER_WHEEL_DIRS): the CUDA library wheels come from the package index"
-    cuda_from=()
 fi
 
 case "$(realpath -m "$VENV")" in
@@ -72,7 +67,7 @@ export PIP_NO_INPUT=1
 # shellcheck disable=SC2046
 "${PIP[@]}" install -q --no-deps $(section torch)
 # shellcheck disable=SC2046
-"${PIP[@]}" install -q --no-deps "${cuda_from[@]}" $(section cuda)
+"${PIP[@]}" install -q --no-deps "${LOCAL_WHEELS[@]}" $(section cuda)
 # shellcheck disable=SC2046
 "${PIP[@]}" install -q --no-deps $(section torch-users) $(section pure)
 
