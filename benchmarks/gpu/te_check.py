@@ -30,6 +30,17 @@ def one_rank_group(backend: str, rendezvous: Path):
     return dist.new_group(ranks=[0], backend=backend)
 
 
+def te_on_gpu(report: dict, rendezvous: Path):
+    """On the GPU, Transformer Engine importable: TE's version and the device name into ``report``,
+    device 0 current; returns a one-rank NCCL group."""
+    import transformer_engine
+
+    report["te_version"] = getattr(transformer_engine, "__version__", "unknown")
+    report["device"] = torch.cuda.get_device_name(0)
+    torch.cuda.set_device(0)
+    return one_rank_group("nccl", rendezvous)
+
+
 @contextlib.contextmanager
 def cuda_matmul_tf32(enabled: bool):
     """fp32 CUDA matmuls as TF32 (or IEEE fp32) inside, restored after; the torch >= 2.9 flag where it

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 # the rounding rule and the CPU model are the tests' (tests/harness, not in the wheel)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.gpu.te_check import cuda_matmul_tf32, one_rank_group, run_check
+from benchmarks.gpu.te_check import cuda_matmul_tf32, one_rank_group, run_check, te_on_gpu
 from tests.harness.numerics import max_rel_err, rounding_bound
 
 S, B, H, OUT, R = 256, 2, 512, 384, 16
@@ -194,14 +194,10 @@ def check(cpu_dry_run: bool, rendezvous: Path) -> dict:
               "shape": {"s": S, "b": B, "h": H, "o": OUT, "r": R}, "torch": torch.__version__}
     reason = availability()
     if reason is None:
-        import transformer_engine
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        report["te_version"] = getattr(transformer_engine, "__version__", "unknown")
-        report["device"] = torch.cuda.get_device_name(0)
-        torch.cuda.set_device(0)
-        group = one_rank_group("nccl", rendezvous)
+        group = te_on_gpu(report, rendezvous)
         parallel_state.initialize_model_parallel(1)
         model_parallel_cuda_manual_seed(123)
         try:

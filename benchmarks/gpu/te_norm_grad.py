@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 # the rounding rule is the tests' (tests/harness, not in the wheel): the repository root on the path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.gpu.te_check import cuda_matmul_tf32, one_rank_group, run_check
+from benchmarks.gpu.te_check import cuda_matmul_tf32, one_rank_group, run_check, te_on_gpu
 from tests.harness.numerics import max_rel_err, rounding_bound
 
 S, B, H, OUT = 32, 2, 256, 128  # tokens, micro-batch, hidden, output features (one rank)
@@ -208,12 +208,7 @@ def check(cpu_dry_run: bool, rendezvous: Path) -> dict:
               "shape": {"s": S, "b": B, "h": H, "o": OUT}, "torch": torch.__version__, "note": TE_SOURCE_NOTE}
     reason = availability()
     if reason is None:
-        import transformer_engine
-
-        report["te_version"] = getattr(transformer_engine, "__version__", "unknown")
-        report["device"] = torch.cuda.get_device_name(0)
-        torch.cuda.set_device(0)
-        group = one_rank_group("nccl", rendezvous)
+        group = te_on_gpu(report, rendezvous)
         t = inputs("cuda")
         mod = te_module(group, t)
         report.update(run_case(mod, t, same_precision_tf32=True))
