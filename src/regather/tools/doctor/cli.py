@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, replace
 
 from regather.megatron.reasons import ALL_TARGETS, DISPATCHERS
-from regather.tools.cmdline import HelpFormatter, names, positive
+from regather.tools.cmdline import WIDTH, HelpFormatter, names, positive, wrapped
 from regather.tools.doctor.setup import MOE_EXPERTS, Setup
 from regather.tools.estimate.config import LAYOUTS, PRESETS, SPECS
 from regather.tools.estimate.options import Given, apply_layout, attention, recipe_help, recipe_targets
@@ -262,13 +262,13 @@ def main(args, env: Mapping[str, str] | None = None) -> int:
                           "findings": [asdict(f) for f in findings]}, indent=1))
     else:
         shown = [f for f in findings if args.verbose or f.code not in ("adapter", "saving")]
-        out = textwrap.wrap(header(setup, args.build), 120, subsequent_indent="    ", break_on_hyphens=False)
+        out = wrapped([header(setup, args.build)])
         out += lines(setup, summ)
         if shown:
             out += ["", "findings:"]
             for f in shown:
                 out += [part for line in str(f).splitlines() for part in textwrap.wrap(
-                    line, 120, subsequent_indent=" " * 10, break_long_words=False, break_on_hyphens=False)]
+                    line, WIDTH, subsequent_indent=" " * 10, break_long_words=False, break_on_hyphens=False)]
         if not args.verbose:
             out += ["", "(every adapter's decision: --verbose; all of it as JSON: --json)"]
         print("\n".join(out))

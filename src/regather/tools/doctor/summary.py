@@ -15,11 +15,11 @@ import textwrap
 from collections.abc import Mapping
 
 from regather.megatron.reasons import ALL_TARGETS
+from regather.tools.cmdline import WIDTH
 from regather.tools.doctor.findings import describe, fix_for
 from regather.tools.doctor.savings import expert_estimate, expert_layer_bytes, gb, is_expert, moe_layer, savings
 from regather.tools.doctor.setup import Setup
 
-WIDTH = 120  # the summary's lines wrap here
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
