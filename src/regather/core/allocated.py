@@ -31,6 +31,19 @@ draining. A worker descheduled across the drains can still hold its last work; t
 high, never too low, so ``regather bench`` takes the smallest of a few steps' counts. Holding is off by
 default: around ``torch.compile``'d code a dispatch mode makes Dynamo refuse the frames ("non-infra
 torch dispatch mode present"), so only code that runs eagerly may ask for it.
+
+**The peak** (``peak``: what ``torch.cuda.max_memory_allocated`` shows, less the level at the region's
+start). The events in order give the live bytes at every moment: an allocation adds, a free subtracts
+— also the free of a block allocated before the region, since it lowers the allocator's total as much.
+Holding a collective's tensors to the end would raise the peak (they would outlive their use), and a
+free a gloo worker makes unseen would keep it high to the end. ``settle_each_collective=True`` does
+neither: right after each collective the calling thread drains that collective's process group (the
+rounds above), so its worker has dropped the work before the region goes on and every block is freed,
+on the profiling thread, when its last real owner drops it. The drains serialise the collectives (no
+overlap inside a measured region: lifetimes as without overlap, never shorter); the counts are exact.
+``mark(name)`` records a moment (a marker allocation of a size nothing else has), so one region can give
+both what a forward leaves alive (:meth:`alive_at`) and the step's peak. On CUDA the allocator keeps a
+peak of its own: ``device="cuda"`` reads ``torch.cuda.max_memory_allocated`` for ``peak``.
 """
 
 from __future__ import annotations
@@ -58,52 +71,96 @@ def _allocations(events, device: str, out: list) -> list:
     return out
 
 
+def _unboxed(leaf):
+    """A ``c10d`` op's process group and work reach a dispatch mode as TorchScript objects: the
+    Python ``ProcessGroup`` / ``Work`` they box (anything else as it is)."""
+    if type(leaf).__name__ == "ScriptObject":
+        kind = leaf._type().qualified_name().rsplit(".", 1)[-1]
+        cls = {"ProcessGroup": dist.ProcessGroup, "Work": dist.Work}.get(kind)
+        return cls.unbox(leaf) if cls is not None else leaf
+    return leaf
+
+
 class _HoldCollectiveTensors(TorchDispatchMode):
     """Keeps every tensor a collective op reads or writes (so the calling thread drops it, not a
-    gloo worker) and the process groups the collectives ran on."""
+    gloo worker) and the process groups the collectives ran on. With ``settle`` (a function of a
+    ``{name: group}`` dict) it holds nothing and settles each collective instead: a ``c10d`` op's works
+    are waited for and its groups drained; a functional collective's group is drained once its
+    ``wait_tensor`` returned (its work is not among the op's values)."""
 
-    def __init__(self):
+    def __init__(self, settle=None):
         super().__init__()
         self.held: list[torch.Tensor] = []
         self.groups: dict[str, object] = {}
+        self._settle = settle
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, wrapper_types()) for t in types):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES:
-            for leaf in tree_leaves((args, kwargs, out)):
-                if isinstance(leaf, torch.Tensor):
-                    self.held.append(leaf)
-                elif isinstance(leaf, dist.ProcessGroup):
-                    self.groups.setdefault(leaf.group_name, leaf)
-                elif isinstance(leaf, str) and func.namespace == "_c10d_functional":
-                    self._add_group_named(leaf)
+        namespace = getattr(func, "namespace", None)
+        if namespace not in _COLLECTIVE_NAMESPACES:
+            return out
+        used, works, groups = [], [], {}
+        for leaf in map(_unboxed, tree_leaves((args, kwargs, out))):
+            if isinstance(leaf, torch.Tensor):
+                used.append(leaf)
+            elif isinstance(leaf, dist.Work):
+                works.append(leaf)
+            elif isinstance(leaf, dist.ProcessGroup):
+                groups[leaf.group_name] = leaf
+            elif isinstance(leaf, str) and namespace == "_c10d_functional":
+                groups.update(self._group_named(leaf))
+        self.groups.update(groups)
+        if self._settle is None:
+            self.held.extend(used)
+            return out
+        del used
+        if namespace == "c10d":
+            for work in works:  # finished before the drains: a drain cannot overtake it on another worker
+                work.wait()
+            self._settle(groups)  # inside __torch_dispatch__ this mode is off: the drains pass it by
+        elif func.__name__.startswith("wait_tensor"):
+            self._settle(self.groups)
         return out
 
-    def _add_group_named(self, name: str) -> None:
+    @staticmethod
+    def _group_named(name: str) -> dict:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        if name not in self.groups:
-            try:
-                self.groups[name] = _resolve_process_group(name)
-            except (RuntimeError, ValueError, KeyError):  # a string argument that names no group
-                pass
+        try:
+            return {name: _resolve_process_group(name)}
+        except (RuntimeError, ValueError, KeyError):  # a string argument that names no group
+            return {}
+
+
+_MARK_BYTES = 4093  # a marker's size (odd, prime): no tensor of the region allocates exactly this
 
 
 class AllocatedBytes:
     """``with AllocatedBytes() as a: ...`` then ``a.alive``: bytes allocated on ``device`` inside
-    the block and still alive when it ended. ``settle_collectives``: see the module doc."""
+    the block and still alive when it ended; ``a.peak``: the most bytes alive at any moment of the
+    block over its start. ``settle_collectives``, ``hold_collective_tensors``,
+    ``settle_each_collective``: see the module doc (the last makes ``peak`` exact under gloo)."""
 
-    def __init__(self, device: str = "cpu", settle_collectives: bool = False, hold_collective_tensors: bool = False):
+    def __init__(self, device: str = "cpu", settle_collectives: bool = False, hold_collective_tensors: bool = False,
+                 settle_each_collective: bool = False):
+        if hold_collective_tensors and settle_each_collective:
+            raise ValueError("AllocatedBytes: hold_collective_tensors and settle_each_collective exclude each "
+                             "other (holding raises the peak, settling each makes holding unneeded)")
         self.device = device
-        self.settle_collectives = settle_collectives
+        self.settle_collectives = settle_collectives or settle_each_collective
         self.hold_collective_tensors = hold_collective_tensors
+        self.settle_each_collective = settle_each_collective
         self.alive = 0
+        self.peak = 0
+        self._marks: dict[str, int] = {}
+        self._alive_at: dict[str, int] = {}
         self._prof = None
         self._hold: _HoldCollectiveTensors | None = None
         self._drain: torch.Tensor | None = None
+        self._cuda_start = 0
 
     def _settling(self) -> bool:
         return self.settle_collectives and dist.is_available() and dist.is_initialized()
@@ -112,20 +169,40 @@ class AllocatedBytes:
         if self._settling():
             self._drain = torch.zeros(1, device=self.device)  # before the region: never counted
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._cuda_start = torch.cuda.memory_allocated()
         self._prof = profile(activities=activities, profile_memory=True)
         self._prof.__enter__()
-        if self._drain is not None and self.hold_collective_tensors:
-            self._hold = _HoldCollectiveTensors()
+        if self._drain is not None and (self.hold_collective_tensors or self.settle_each_collective):
+            self._hold = _HoldCollectiveTensors(self._drain_groups if self.settle_each_collective else None)
             self._hold.__enter__()
         return self
 
-    def _settle(self, hold: _HoldCollectiveTensors | None) -> None:
-        groups = dict(hold.groups) if hold is not None else {}
-        default = dist.distributed_c10d._get_default_group()
-        groups.setdefault(default.group_name, default)
+    def mark(self, name: str) -> None:
+        """Record this moment as ``name``: :meth:`alive_at` gives what the region had allocated and not
+        freed by then."""
+        if name in self._marks:
+            raise ValueError(f"AllocatedBytes: mark {name!r} recorded twice")
+        marker = torch.empty(_MARK_BYTES + len(self._marks), dtype=torch.uint8, device=self.device)
+        self._marks[name] = marker.numel()
+        del marker
+
+    def alive_at(self, name: str) -> int:
+        """Bytes allocated inside the region before mark ``name`` and alive at it."""
+        if name not in self._alive_at:
+            raise KeyError(f"AllocatedBytes: no mark {name!r} (marks: {sorted(self._alive_at)})")
+        return self._alive_at[name]
+
+    def _drain_groups(self, groups: dict) -> None:
         for name in sorted(groups):  # the same order on every rank
             for _ in range(DRAIN_ROUNDS):
                 dist.all_reduce(self._drain, group=groups[name])
+
+    def _settle(self, hold: _HoldCollectiveTensors | None) -> None:
+        default = dist.distributed_c10d._get_default_group()
+        self._drain_groups({**(hold.groups if hold is not None else {}), default.group_name: default})
         if hold is not None:
             hold.held.clear()  # on this thread: every free is seen
 
@@ -139,11 +216,36 @@ class AllocatedBytes:
         finally:
             self._prof.__exit__(*exc)
         tree = self._prof.profiler.kineto_results.experimental_event_tree()
+        self._count(sorted(_allocations(tree, self.device, [])))
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self._cuda_start
+        self._prof = self._drain = None
+
+    def _count(self, events: list) -> None:
+        """``alive``, ``peak`` and the marks' counts from the region's events in order."""
+        sizes = {size: name for name, size in self._marks.items()}
         live: dict = {}
-        for _, ptr, size in sorted(_allocations(tree, self.device, [])):
+        level = peak = 0
+        markers: set = set()
+        for _, ptr, size in events:
+            if size > 0 and ptr in live:  # an address handed out again: its block was freed unseen (module doc)
+                level -= live.pop(ptr)
+            if size > 0 and size in sizes:  # a marker: its moment, not its bytes
+                self._alive_at[sizes.pop(size)] = sum(live.values())
+                markers.add(ptr)
+                continue
+            if size < 0 and ptr in markers:
+                markers.discard(ptr)
+                continue
+            level += size
+            peak = max(peak, level)
             if size > 0:
                 live[ptr] = size
             else:
                 live.pop(ptr, None)
+        missing = sorted(set(self._marks) - set(self._alive_at))
+        if missing:
+            raise RuntimeError(f"AllocatedBytes: the profiler recorded no event for mark(s) {missing}")
         self.alive = sum(live.values())
-        self._prof = self._drain = None
+        self.peak = peak

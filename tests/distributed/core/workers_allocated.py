@@ -43,3 +43,42 @@ def settled_regions(rank, world_size, pairs: int) -> dict:
             _gathers([])
         out["unsettled_with_phantoms"] += a.alive > 0
     return out
+
+
+def _peak_region(keep: list, functional: bool) -> None:
+    """Gathered outputs: the first kept, each later one alive with its double then dropped; the peak
+    is the shard and three gathered outputs, ``keep`` one gathered output."""
+    x = torch.randn(*SHAPE)
+    for i in range(GATHERS):
+        if functional:
+            y = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, dist.group.WORLD))
+        else:
+            y = torch.empty(SHAPE[0] * dist.get_world_size(), *SHAPE[1:])
+            work = dist.all_gather_into_tensor(y, x, async_op=bool(i % 2))
+            if work is not None:
+                work.wait()
+            del work  # a work holds its tensors
+        if i == 0:
+            keep.append(y)
+            continue
+        z = y * 2
+        del y, z
+
+
+def peak_regions(rank, world_size, repeats: int) -> dict:
+    """``settle_each_collective``: the peak and what is alive at a mark, every time, for c10d (sync and
+    async) and functional all-gathers; with the collective tensors held to the end instead, the peak
+    is higher (every output held)."""
+    out = {"settled": [], "held": []}
+    for _ in range(repeats):
+        for functional in (False, True):
+            keep: list = []
+            with AllocatedBytes(settle_each_collective=True) as a:
+                _peak_region(keep, functional)
+                a.mark("end")
+                keep.clear()
+            out["settled"].append((a.peak, a.alive_at("end"), a.alive))
+        with AllocatedBytes(settle_collectives=True, hold_collective_tensors=True) as a:
+            _peak_region([], False)
+        out["held"].append(a.peak)
+    return out
