@@ -11,6 +11,8 @@ function                 forward                           backward
 :func:`gather_seq`       all-gather over ``dim``           reduce-scatter over ``dim``
                          (``Shard(dim) -> Replicate``)     (the partial input gradients summed)
 :func:`scatter_seq`      keep this rank's block of ``dim`` all-gather over ``dim``
+:func:`reduce_scatter_seq` reduce-scatter over ``dim``     all-gather over ``dim``
+                         (partial -> this rank's block)
 :func:`copy_to_group`    identity                          all-reduce (partial -> complete)
 :func:`reduce_from_group` all-reduce                       identity
 :func:`gather_last_dim`  all-gather, concatenated on the   this rank's block of the last dim
@@ -59,6 +61,19 @@ class _ScatterSeq(torch.autograd.Function):
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
         return _block(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather_seq(grad, ctx.group, dim=ctx.dim), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        if comm.world_size(group) == 1:
+            return x
+        return comm.reduce_scatter_seq(x, group, dim=dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -115,6 +130,11 @@ def gather_seq(x: torch.Tensor, group, dim: int = 0, reduce_grad: bool = True) -
 def scatter_seq(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """This rank's block of ``x`` along ``dim``; backward all-gathers."""
     return _ScatterSeq.apply(x, group, dim % x.dim())
+
+
+def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum the ranks' partial ``x`` and keep this rank's block of ``dim``; backward all-gathers."""
+    return _ReduceScatterSeq.apply(x, group, dim % x.dim())
 
 
 def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:

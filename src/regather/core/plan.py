@@ -25,3 +25,5 @@ class Plan:
     path: Any = None  # the LoRA-A path (regather.core.strategies.paths) this forward runs
     layout: Any = None  # the front end's layout (torchtitan: its layout.Layout, column or row)
     gathered: Any = None  # the front end's record of the gather its input came from (torchtitan)
+    lean: bool = False  # LoRA's output added into the base's in place, in chunks (regather.core.peak)
+    junction: Any = None  # where LoRA-A's input gradient goes into the base's (regather.core.peak.junction)

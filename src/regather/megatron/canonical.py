@@ -98,11 +98,13 @@ class LoRALinearSplit(LoRALinear):
         share = self._shared_gather(members)
         plans = []
         for adapter in members:  # each anchors x in turn: every deferred dA waits for the base dgrad
-            x, plan = adapter.plan(x, share)
+            x, plan = adapter.plan(x, share, reads_base_input=not self.te_layernorm)
             plans.append(plan)
         if self.te_layernorm:
-            return te.lora_forward_many(self.to_wrap, list(zip(members, plans)), x, self._combine_list,
-                                        *args, **kwargs)
+            return te.lora_forward_many(
+                self.to_wrap, list(zip(members, plans)), x,
+                lambda out, ln_out: out + self._combine_list([a(ln_out, plan=p) for a, p in zip(members, plans)]),
+                *args, **kwargs)
         out, bias = self.to_wrap(x, *args, **kwargs)
         return out + self._combine_list([a(x, plan=p) for a, p in zip(members, plans)]), bias
 

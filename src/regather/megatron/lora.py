@@ -86,6 +86,11 @@ class LoRA:
     # backward (one more dispatch of the tokens per MoE layer; regather.megatron.moe.inputs). A shared
     # expert LoRA-A needs no opt-in: it runs before the dispatch.
     redispatch_expert_inputs: bool = False
+    # add LoRA's output into the base's in place, in row chunks, its scale on the rank-r side; a
+    # row-parallel adapter's LoRA-B on its sequence shard; LoRA-A's input gradient added into the base's
+    # in place (regather.core.peak): no full-width LoRA buffer at any moment. None: on for every strategy
+    # but the classic gather (which stays Megatron Bridge's bit for bit); True / False: as set.
+    lean_transients: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim <= 0:
@@ -112,6 +117,8 @@ class LoRA:
         if self.redispatch_expert_inputs and not self.recompute_adapter_inputs:
             raise ValueError("LoRA(redispatch_expert_inputs=True) rebuilds expert inputs in backward: it needs "
                              "recompute_adapter_inputs=True (got recompute_adapter_inputs=False)")
+        if self.lean_transients not in (None, True, False):
+            raise ValueError(f"LoRA(lean_transients={self.lean_transients!r}): expected None, True or False")
         if self.lowrank_grad_allreduce not in ("backward", "finalize_model_grads"):
             raise ValueError(f"LoRA(lowrank_grad_allreduce={self.lowrank_grad_allreduce!r}): "
                              "expected 'backward' or 'finalize_model_grads'")
@@ -218,6 +225,7 @@ class LoRA:
             early_regather=self.early_regather,
             lowrank_grad_allreduce=self.lowrank_grad_allreduce,
             recompute_inputs=self.recompute_adapter_inputs,
+            lean_transients=self.lean_transients,
             params_dtype=weight.dtype,
             device=weight.device,
         )

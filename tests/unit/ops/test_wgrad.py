@@ -237,7 +237,7 @@ def test_low_precision_main_grad_empty_k_and_errors():
 
 def test_weight_grad_fuses_into_bf16_main_grad():
     """strategies.wgrad.weight_grad with fusion on and a bf16 main_grad (no fp32 requirement)."""
-    from regather.core.strategies.wgrad import weight_grad
+    from regather.core.wgrad import weight_grad
 
     w = torch.nn.Parameter(torch.zeros(4, 6, dtype=_BF))
     w.main_grad = torch.zeros(4, 6, dtype=_BF)
@@ -254,7 +254,7 @@ def test_weight_grad_fuses_into_bf16_main_grad():
 def test_main_grad_placeholder_follows_megatron():
     """tensor_parallel/layers.py under gradient_accumulation_fusion: None without DDP's flag,
     an empty tensor with it, zeros with ``zero_out_wgrad``; the flag is set."""
-    from regather.core.strategies.wgrad import main_grad_placeholder, weight_grad
+    from regather.core.wgrad import main_grad_placeholder, weight_grad
 
     w = torch.nn.Parameter(torch.zeros(4, 6))
     w.main_grad = torch.zeros(4, 6)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from regather.core import mappings
-from regather.core.strategies.wgrad import linear
+from regather.core.wgrad import linear
 
 
 def gather_linear_a(x_local: torch.Tensor, weight: torch.Tensor, group, fuse: bool, seq_dim: int = 0) -> torch.Tensor:

@@ -15,7 +15,7 @@ path                input                 LoRA-A
 =================== ===================== ============================================
 
 ``row`` and ``dispatched`` also run per-expert adapters (``splits``: the ``m_splits`` row
-blocks of grouped experts, one LoRA-A per block, :class:`~regather.core.strategies.wgrad.
+blocks of grouped experts, one LoRA-A per block, :class:`~regather.core.wgrad.
 GroupedLinearWithWgrad`).
 
 Saved for backward: the input, through the path's source — kept, or recomputed from what its
@@ -29,16 +29,21 @@ backward all-reduce.
 from __future__ import annotations
 
 from regather.core import mappings
-from regather.core.strategies.wgrad import linear
+from regather.core.wgrad import linear
 
 
 def local_linear_a(x, weight, args):
     """``row`` and ``dispatched``: ``x A^T`` on the input as it is (per-expert row blocks with
-    ``args.splits``), saved through ``args.source``."""
-    return linear(x, weight, args.fuse, args.source, args.splits)
+    ``args.splits``), saved through ``args.source``; with ``args.junction`` its input gradient is
+    added into the base's in place (:mod:`regather.core.peak.junction`)."""
+    into = None if args.junction is None else (args.junction, None)
+    return linear(x, weight, args.fuse, args.source, args.splits, into=into)
 
 
 def replicated_linear_a(x, weight, args):
     """``replicated``: ``x A_i^T``, saved through ``args.source``; backward all-reduces ``dX`` over
-    TP (a copy to the group)."""
+    TP (a copy to the group) — or, with ``args.junction``, all-reduces it chunk by chunk on its way
+    into the base's input gradient."""
+    if args.junction is not None:
+        return linear(x, weight, args.fuse, args.source, into=(args.junction, args.group))
     return linear(mappings.copy_to_group(x, args.group), weight, args.fuse, args.source)

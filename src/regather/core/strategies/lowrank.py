@@ -54,7 +54,7 @@ import torch
 
 from regather.core import comm
 from regather.core.recompute.sources import KEEP
-from regather.core.strategies.wgrad import main_grad_placeholder, weight_grad
+from regather.core.wgrad import main_grad_placeholder, weight_grad
 
 GRAD_ALLREDUCE_BACKWARD = "backward"
 GRAD_ALLREDUCE_FINALIZE = "finalize_model_grads"
@@ -84,7 +84,7 @@ def _fused(weight: torch.Tensor, fuse: bool) -> bool:
 def _partial_dA(weight, grad_mid_local, x_local, group, fuse, reduce: bool) -> _PartialGrad | torch.Tensor | None:
     """This rank's ``dmid_local^T x_local``: accumulated straight into ``main_grad`` when it
     needs no reduction here (finalize mode; returns the weight gradient for autograd, see
-    :func:`~regather.core.strategies.wgrad.main_grad_placeholder`), else formed in a temporary
+    :func:`~regather.core.wgrad.main_grad_placeholder`), else formed in a temporary
     (fp32 when fused) whose reduction starts now (returns the pending :class:`_PartialGrad`)."""
     if _fused(weight, fuse):
         if not reduce:

@@ -40,7 +40,7 @@ from typing import Protocol
 import torch
 
 from regather.core import comm
-from regather.core.strategies.wgrad import linear, main_grad_placeholder
+from regather.core.wgrad import linear, main_grad_placeholder
 
 
 class GatherRows(torch.autograd.Function):

@@ -18,7 +18,7 @@ mid_i       ``[s, b, r/t]``    ``x_full A_i^T``
 
 Forward: one GEMM, no communication. Saved for backward: ``x_full`` (as on the
 gather path). Backward: ``dA_i = dmid_i^T x_full`` (through
-:func:`regather.core.strategies.wgrad.weight_grad`) and the rank-*partial*
+:func:`regather.core.wgrad.weight_grad`) and the rank-*partial*
 ``dX_full = dmid_i A_i``, returned *without* a reduction: the base layer's
 backward of its all-gather is a reduce-scatter over the TP group, which sums
 these partials together with its own dgrad. Adding a
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from regather.core.strategies.wgrad import linear
+from regather.core.wgrad import linear
 
 
 def pregathered_linear_a(x_full: torch.Tensor, weight: torch.Tensor, fuse: bool) -> torch.Tensor:

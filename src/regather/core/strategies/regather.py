@@ -41,8 +41,8 @@ gather overlaps more than LoRA-A's skinny dgrad:
 * **early start** — a tensor hook on the adapter *output* fires when its
   gradient arrives, before LoRA-B's dgrad, the ``dmid`` all-reduce and LoRA-A's
   dgrad run, and issues the async all-gather of ``x_local`` into a pool lease;
-* **deferred dA** — :class:`DeferredWgrad`, an identity on the input of the
-  wrapped layer (``LoRALinear``) or of the adapter, takes LoRA-A as a second
+* **deferred dA** — a :class:`~regather.core.peak.junction.Junction`, an identity on
+  the input of the wrapped layer (``LoRALinear``) or of the adapter, takes LoRA-A as a second
   input. Its backward runs only once everything that read that input has
   produced its input gradient (the frozen base layer's dgrad and
   reduce-scatter included); there it waits for the gather and computes ``dA``.
@@ -79,7 +79,7 @@ from regather.core import comm
 from regather.core.buffers import ScratchPool, default_pool
 from regather.core.recompute.sources import KEEP
 from regather.core.strategies.shared_gather import BACKWARD_SCRATCH, FORWARD_SCRATCH, SharedGather, full_shape
-from regather.core.strategies.wgrad import weight_grad
+from regather.core.wgrad import weight_grad
 
 
 class RegatherSlot:
@@ -170,7 +170,7 @@ class RegatherSlot:
         return slot
 
     def weight_grad_or_defer(self, weight, grad_mid, fuse):
-        """``dA`` now, or ``None`` after handing ``dmid`` to :class:`DeferredWgrad`."""
+        """``dA`` now, or ``None`` after handing ``dmid`` to the junction that defers it."""
         if self.defer:
             self.grad_mid, self.weight, self.fuse = grad_mid, weight, fuse
             return None
@@ -258,32 +258,10 @@ class RegatherSharedLinearA(torch.autograd.Function):
         return grad_full, None, grad_w, None, None, None, None, None, None
 
 
-class DeferredWgrad(torch.autograd.Function):
-    """Identity on ``x`` whose backward computes the deferred LoRA-A gradient of ``slot``.
-
-    ``weight`` is an input so that LoRA-A's gradient edge (and its
-    grad-accumulator hooks) runs after this node; nothing is saved.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, slot):
-        ctx.slot = slot
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad_x):
-        return grad_x, ctx.slot.finish_deferred(), None
-
-
 def new_slot(x: torch.Tensor, group, pool: ScratchPool | None, early: bool, share=None, seq_dim: int = 0) -> RegatherSlot:
     """A slot for one forward; ``dA`` is deferred only when ``x`` requires grad."""
     return RegatherSlot(group, pool or default_pool(), early=early, defer=early and x.requires_grad, share=share,
                         seq_dim=seq_dim)
-
-
-def anchor(x: torch.Tensor, weight: torch.Tensor, slot: RegatherSlot) -> torch.Tensor:
-    """Route ``x`` through :class:`DeferredWgrad` when ``slot`` defers ``dA``."""
-    return DeferredWgrad.apply(x, weight, slot) if slot.defer else x
 
 
 def regather_linear_a(

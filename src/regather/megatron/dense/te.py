@@ -182,24 +182,26 @@ def lora_forward(base: nn.Module, adapter, x: torch.Tensor, plan, *args, **kwarg
     """``(base(x) + adapter(LayerNorm(x)), bias)`` for a TE LayerNorm-fused base.
 
     ``x`` is the pre-norm input ``[s/t, b, h]`` (already through ``adapter.plan``); the adapter gets
-    TE's local LayerNorm output.
+    TE's local LayerNorm output and adds its output into TE's (in place when its plan is lean,
+    :meth:`~regather.megatron.dense.adapter.forward.AdapterForward.add_into`).
     """
-    return lora_forward_many(base, [(adapter, plan)], x, lambda outs: outs[0], *args, **kwargs)
+    return lora_forward_many(base, [(adapter, plan)], x, lambda out, ln_out: adapter(ln_out, plan=plan, base_out=out),
+                             *args, **kwargs)
 
 
-def lora_forward_many(base: nn.Module, members, x: torch.Tensor, combine, *args, **kwargs):
+def lora_forward_many(base: nn.Module, members, x: torch.Tensor, add, *args, **kwargs):
     """The same for several adapters on one TE base (``CanonicalLoRA``'s q/k/v or gate/up): one
-    LayerNorm output for all, and ``combine([outputs])`` places their outputs in the base's layout.
-    Where every adapter rebuilt its input in this forward (``recompute_adapter_inputs``), TE's
-    saved copy of the LayerNorm output is released after the last one read it
-    (:mod:`regather.megatron.dense.te_release`)."""
+    LayerNorm output for all; ``add(out, ln_out)`` returns the base's output with the adapters' added
+    (in the base's layout). Where every adapter rebuilt its input in this forward
+    (``recompute_adapter_inputs``), TE's saved copy of the LayerNorm output is released after the last
+    one read it (:mod:`regather.megatron.dense.te_release`)."""
     out, bias, ln_out = call_with_layernorm_output(base, x, *args, **kwargs)
     for adapter, _ in members:
         adapter.check_input(ln_out)
-    delta = combine([adapter(ln_out, plan=plan) for adapter, plan in members])
+    out = add(out, ln_out)
     if ln_out.requires_grad and all(getattr(adapter.last_decision, "recompute", None) for adapter, _ in members):
         te_release.release_or_log(ln_out, members[0][0].log_name)
-    return out + delta, bias
+    return out, bias
 
 
 def layernorm_output(base: nn.Module, x: torch.Tensor) -> torch.Tensor:

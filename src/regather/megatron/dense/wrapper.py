@@ -66,13 +66,13 @@ class LoRALinear(nn.Module):
             return self.to_wrap(x, *args, **kwargs)
         # plan() first: with early re-gather it anchors x so LoRA-A's dA runs after the
         # base layer's dgrad too (regather.core.strategies.regather); otherwise x is unchanged.
-        x, plan = self.adapter.plan(x)
+        x, plan = self.adapter.plan(x, reads_base_input=not self.te_layernorm)
         if self.te_layernorm:  # x is pre-norm: the adapter gets TE's LayerNorm output (regather.megatron.dense.te)
             return te.lora_forward(self.to_wrap, self.adapter, x, plan, *args, **kwargs)
         if self.share_sequence_gather and self._can_share(plan):
             return self._shared_gather_forward(x, plan, *args, **kwargs)
         out, bias = self.to_wrap(x, *args, **kwargs)
-        return out + self.adapter(x, plan=plan), bias
+        return self.adapter(x, plan=plan, base_out=out), bias
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """megatron ``dist_checkpointing``: the base layer's shards, then the adapter's."""
@@ -104,4 +104,4 @@ class LoRALinear(nn.Module):
         x_full = mappings.gather_seq(x, base.tp_group)
         with compat.local_input(base):  # input used as is, no dgrad reduction: the shared gather's backward does it
             out, bias = base(x_full, *args, **kwargs)
-        return out + self.adapter(x, plan=plan, x_full=x_full), bias
+        return self.adapter(x, plan=plan, x_full=x_full, base_out=out), bias

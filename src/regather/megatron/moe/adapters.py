@@ -101,7 +101,7 @@ class GroupedExpertAdapter(ExpertAdapter):
 
     (``n`` local experts, ``t`` expert TP.) Forward takes the grouped linear's ``m_splits``:
     rows ``[sum(m_splits[:i]), sum(m_splits[:i+1]))`` go through expert ``i``'s pair
-    (:class:`~regather.core.strategies.wgrad.GroupedLinearWithWgrad`); the rank-``r`` middle of all
+    (:class:`~regather.core.wgrad.GroupedLinearWithWgrad`); the rank-``r`` middle of all
     experts is gathered (fc1) or reduced (fc2) over expert TP in one collective, where Bridge
     issues one per expert. Everything else — decisions, dropout, scale, the expert-TP
     communication — is :class:`~regather.megatron.dense.adapter.ParallelLinearAdapter`'s.

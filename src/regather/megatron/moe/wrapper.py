@@ -20,4 +20,4 @@ class GroupedLoRALinear(LoRALinear):
             return self.to_wrap(x, m_splits, *args, **kwargs)
         x, plan = self.adapter.plan(x)
         out, bias = self.to_wrap(x, m_splits, *args, **kwargs)
-        return out + self.adapter(x, plan=plan, m_splits=m_splits), bias
+        return self.adapter(x, plan=plan, m_splits=m_splits, base_out=out), bias

@@ -48,6 +48,7 @@ class AdapterModule(Protocol):
     dropout_position: str
     activation_fn: Any
     scale: float
+    lean_transients: bool | None  # None: lean for every strategy but gather (regather.core.peak)
 
 
 @runtime_checkable
@@ -57,6 +58,8 @@ class AdapterDecider(AdapterModule, Protocol):
     last_decision: Decision | None
 
     def decide(self, learned: bool = False) -> Decision: ...
+
+    def log_lean_fallback(self, reason: str) -> None: ...
 
     def log_fallback(self, decision: Decision) -> None: ...
 

@@ -54,6 +54,7 @@ class AdapterDecisions:
         self._last_capture_reason: str | None = None  # why the last forward kept its input, if it did
         self._logged_recompute = False
         self._logged = False
+        self._logged_lean: set[str] = set()
 
     def reset_fallback_log(self) -> None:
         """Report the next fallback again (after a strategy switch)."""
@@ -148,6 +149,14 @@ class AdapterDecisions:
         self._logged_recompute = True
         fallback_log.report(self.fallback_log, "recompute_adapter_inputs requested, keeping the input",
                             decision.recompute_reason, self.log_name, level_of(decision.recompute_reason, logging.INFO))
+
+    def log_lean_fallback(self, reason: str) -> None:
+        """Report, once per adapter and reason, that a lean adapter ran the classic output (``reason``)."""
+        if str(reason) in self._logged_lean:
+            return
+        self._logged_lean.add(str(reason))
+        fallback_log.report(self.fallback_log, "lean_transients requested, using the classic output", reason,
+                            self.log_name, level_of(reason))
 
     def log_fallback(self, decision: Decision) -> None:
         """Report the first fallback of this adapter to the model's log."""

@@ -19,21 +19,36 @@ Row-parallel base (input ``x_i [s, b, h/t]``)::
 The LoRA-A path comes from :func:`regather.core.strategies.paths.lookup`; every collective is
 :mod:`regather.core.mappings` (megatron-core's ``tensor_parallel.mappings``, bit for bit). What
 LoRA-A saves is counted under ``adapter_input:<base>`` (:mod:`regather.core.accounting`).
+
+**Lean transients** (``lean_transients``, :mod:`regather.core.peak`; on by default for every strategy
+but the classic gather). The wrapper calls :meth:`AdapterForward.add_into` with the base's output
+instead of adding the adapter's own: the scale goes on ``mid`` (rank ``r``), LoRA-B's output is added
+into the base's output in row chunks, a row-parallel base's LoRA-B runs on this rank's sequence shard
+with its weight gathered (``mid`` reduce-scattered, not all-reduced), and where LoRA-A reads the base's
+own input (row-parallel, SP off) its input gradient goes into the base's in place through the
+forward's :class:`~regather.core.peak.junction.Junction`. No full-width LoRA tensor exists at once
+beyond one chunk (docs/design.md §3.8).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from regather.core import accounting, debug, mappings
 from regather.core.buffers import default_pool
+from regather.core.decision import expected
+from regather.core.peak.junction import Junction, attach
+from regather.core.peak.output import lora_into_output_
+from regather.core.peak.row import row_lora_into_output_
 from regather.core.plan import Plan
 from regather.core.strategies import Strategy
 from regather.core.strategies.lowrank import replicated_shard
 from regather.core.strategies.paths import LOWRANK, PREDISPATCHED, PathArgs
-from regather.core.strategies.regather import anchor, new_slot
+from regather.core.strategies.regather import new_slot
 from regather.core.strategies.shared_gather import SharedGather
-from regather.core.strategies.wgrad import linear
+from regather.core.wgrad import linear
 
 # Applied to the gathered rank-r activation between LoRA-A and LoRA-B.
 ACTIVATIONS = {
@@ -62,6 +77,12 @@ def partial_output(out_i: torch.Tensor, rank: int, t: int) -> torch.Tensor:
     return torch.nn.functional.pad(out_i, (rank * width, (t - 1 - rank) * width))
 
 
+#: Why an adapter asked for lean transients runs the classic output instead (one sentence per cause).
+LEAN_POST_DROPOUT = expected("dropout is applied to the adapter output (dropout_position='post'), which needs it "
+                             "whole: the classic output is used")
+LEAN_OUTPUT_NOT_DENSE = "the base's output is not a contiguous tensor LoRA can add into in place: the classic output is used"
+
+
 class AdapterForward:
     """The forward half of :class:`~regather.megatron.dense.adapter.ParallelLinearAdapter`."""
 
@@ -83,11 +104,15 @@ class AdapterForward:
     def in_features_local(self) -> int:
         return self.linear_in.weight.shape[-1]
 
-    def plan(self, x: torch.Tensor, share: SharedGather | None = None) -> tuple[torch.Tensor, Plan]:
-        """Decide this forward's strategy. For regather with early re-gather, also route ``x``
-        through the deferred-``dA`` anchor; a wrapper (``LoRALinear``) calls this *before* its
-        base layer so that ``dA`` waits for the base's dgrad too, and feeds the returned ``x``
-        to both. See :mod:`regather.core.strategies.regather`."""
+    def plan(self, x: torch.Tensor, share: SharedGather | None = None,
+             reads_base_input: bool = True) -> tuple[torch.Tensor, Plan]:
+        """Decide this forward's strategy and whether its output is lean. Where backward work must wait
+        for the base's input gradient — a regather's deferred ``dA`` (early re-gather), a lean adapter's
+        input-gradient contribution (row-parallel, SP off) — route ``x`` through a
+        :class:`~regather.core.peak.junction.Junction`; a wrapper (``LoRALinear``) calls this *before* its
+        base layer and feeds the returned ``x`` to both. See :mod:`regather.core.strategies.regather`.
+        ``reads_base_input=False``: the adapter's input is not ``x`` but what the base makes of it
+        (Transformer Engine's LayerNorm output): its input gradient goes back through the base."""
         self.check_input(x)
         debug.maybe_check_adapter_input(self, x)  # opt-in: REGATHER_DEBUG_SHAPES=1 / check_shapes
         decision = self.decide()
@@ -97,8 +122,35 @@ class AdapterForward:
         share = share if decision.used == Strategy.REGATHER else None  # only regather gathers again
         if decision.used == Strategy.REGATHER and self.early_regather:
             slot = new_slot(x, self.tp_group, self.pool, early=True, share=share)
-            x = anchor(x, self.linear_in.weight, slot)
-        return x, Plan(decision, slot=slot, share=share)
+        lean = self.lean_asked()
+        why = self.lean_reason() if lean else None
+        if why is not None:
+            self.log_lean_fallback(why)
+            lean = False
+        into_base_grad = (lean and reads_base_input and x.requires_grad and torch.is_grad_enabled()
+                          and self.redirects_input_grad)
+        junction = None
+        if into_base_grad or (slot is not None and slot.defer):
+            junction = Junction(slot if slot is not None and slot.defer else None)
+            x = attach(x, self.linear_in.weight, junction)
+        return x, Plan(decision, slot=slot, share=share, junction=junction if into_base_grad else None, lean=lean)
+
+    def lean_asked(self) -> bool:
+        """``lean_transients``: True / False as set, None (the default) for every strategy but gather."""
+        asked = self.lean_transients
+        return self.strategy != Strategy.GATHER if asked is None else bool(asked)
+
+    def lean_reason(self) -> str | None:
+        """Why this adapter's output cannot be lean (None: it can)."""
+        if self.dropout is not None and self.dropout_position == "post":
+            return LEAN_POST_DROPOUT
+        return None
+
+    @property
+    def redirects_input_grad(self) -> bool:
+        """LoRA-A reads the base's own full-width input and its gradient joins the base's: a row-parallel
+        base, or a column-parallel one without SP (not a dispatched expert: the dispatcher sums)."""
+        return not self.dispatched and (not self.column_parallel or not self.sequence_parallel)
 
     def shares_input_gather(self, plan: Plan) -> bool:
         """Whether this forward's LoRA-A reads the full input (gather/regather, column-parallel,
@@ -118,8 +170,13 @@ class AdapterForward:
         return None
 
     def forward(self, x: torch.Tensor, plan: Plan | None = None, input_gathered: bool = False,
-                x_full: torch.Tensor | None = None, m_splits=None) -> torch.Tensor:
-        """``input_gathered``: ``x`` is ``[s, b, h]``, already gathered over the sequence by the
+                x_full: torch.Tensor | None = None, m_splits=None, base_out: torch.Tensor | None = None):
+        """The adapter's own output, ``scale * B(A(x))`` in the base's output layout — or, given the base's
+        output ``base_out``, that output with the adapter's added (in place and in chunks when the plan is
+        lean: :meth:`add_into`). Wrappers pass ``base_out``, through the module's ``__call__`` so that
+        hooks on the adapter run as before.
+
+        ``input_gathered``: ``x`` is ``[s, b, h]``, already gathered over the sequence by the
         caller in a gather whose backward reduce-scatters the gradient it receives
         (:mod:`regather.core.strategies.pregathered`); gather path only. Not TE's gathered
         LayerNorm output: TE >= 2.4 drops its gradient (:mod:`regather.megatron.dense.te`).
@@ -134,6 +191,61 @@ class AdapterForward:
         a per-expert one (:class:`regather.megatron.moe.adapters.GroupedExpertAdapter`) needs them."""
         if plan is None:
             x, plan = self.plan(x)
+        if base_out is not None:
+            return self.add_into(base_out, x, plan, input_gathered, x_full, m_splits)
+        plan = dataclasses.replace(plan, lean=False, junction=None)
+        mid, plan, b, splits = self._mid(x, plan, input_gathered, x_full, m_splits)
+        out = linear(mid, b, self.gradient_accumulation_fusion, splits=splits)
+        if not self.column_parallel and self.dispatched:  # the caller sums the base's partial outputs
+            out = partial_output(out, self.tp_rank, self.tp_size)
+        elif not self.column_parallel:
+            out = mappings.gather_last_dim(out, self.tp_group)
+            if self.sequence_parallel:
+                out = mappings.scatter_seq(out, self.tp_group)
+        if self.dropout is not None and self.dropout_position == "post":
+            out = self.dropout(out)
+        # mul.Scalar: autograd keeps the scale as a number (``out * scale`` wraps it in a 0-dim tensor
+        # that MulBackward0 saves: 8 bytes per adapter the allocator sees); the same kernel, same bits
+        out = torch.ops.aten.mul.Scalar(out, self.scale)
+        if plan.slot is not None and out.requires_grad:
+            out.register_hook(plan.slot.on_output_grad)  # early re-gather: start when dout arrives
+        return out
+
+    def add_into(self, base_out: torch.Tensor, x: torch.Tensor, plan: Plan, input_gathered: bool = False,
+                 x_full: torch.Tensor | None = None, m_splits=None) -> torch.Tensor:
+        """``base_out`` plus this adapter's output: added in place, chunk by chunk, when the plan is lean
+        (module doc), else ``base_out + forward(...)``. ``x`` and the keywords as for :meth:`forward`."""
+        if plan.lean and not (base_out.is_contiguous() and base_out.shape[-1] == self.base_out_features):
+            self.log_lean_fallback(LEAN_OUTPUT_NOT_DENSE)
+            plan = dataclasses.replace(plan, lean=False, junction=None)
+        if not plan.lean:
+            return base_out + self.forward(x, dataclasses.replace(plan, lean=False, junction=None), input_gathered,
+                                           x_full, m_splits)
+        mid, plan, b, splits = self._mid(x, plan, input_gathered, x_full, m_splits)
+        mid = torch.ops.aten.mul.Scalar(mid, self.scale)  # the scale on the rank-r side (regather.core.peak.output)
+        fuse, group = self.gradient_accumulation_fusion, self.tp_group
+        if splits is not None:  # per-expert LoRA-B blocks: their output whole, added in place (one W, not three)
+            return base_out.add_(linear(mid, b, fuse, splits=splits))
+        slot = plan.slot
+        on_grad = (lambda: slot.on_output_grad(None)) if slot is not None else None
+        if self.column_parallel:
+            return lora_into_output_(base_out, mid, b, fuse, on_grad=on_grad)
+        if self.dispatched:  # a partial output: this rank's columns of it
+            width = b.shape[0]
+            return lora_into_output_(base_out, mid, b, fuse, cols=slice(self.tp_rank * width, (self.tp_rank + 1) * width),
+                                     on_grad=on_grad)
+        return row_lora_into_output_(base_out, mid, b, group, self.sequence_parallel, fuse, on_grad=on_grad)
+
+    @property
+    def base_out_features(self) -> int:
+        """The width of the base's (local) output this adapter adds into."""
+        w = self.linear_out.weight.shape[-2]
+        return w if self.column_parallel else w * self.tp_size
+
+    def _mid(self, x, plan, input_gathered, x_full, m_splits):
+        """LoRA-A and the reduction to a complete ``mid`` in LoRA-B's layout (the lean row path: this
+        rank's sequence shard), with the plan completed by this input; returns
+        ``(mid, plan, LoRA-B's weight, row blocks)``."""
         decision, slot = plan.decision, plan.slot
         if x_full is not None and not self.shares_input_gather(plan):
             raise ValueError(f"LoRA adapter on {self.facts.base_name!r}: a shared x_full was given, "
@@ -155,34 +267,23 @@ class AdapterForward:
             a = replicated_shard(a, self.tp_rank, self.tp_size, group, fuse, self.lowrank_reduce_in_backward)
         splits = self.row_blocks(x, m_splits)
         args = PathArgs(group=group, fuse=fuse, pool=self.pool or default_pool(), slot=slot, source=source,
-                        x_full=x_full, reduce_dA=self.lowrank_reduce_in_backward, share=plan.share, splits=splits)
+                        x_full=x_full, reduce_dA=self.lowrank_reduce_in_backward, share=plan.share, splits=splits,
+                        junction=plan.junction)
         # what LoRA-A saves is counted apart, per base layer (accounting.SavedBytes.of)
         with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.facts.base_name}"):
             mid = path(x, a, args)
         # lowrank gathers mid over the sequence; a shared expert LoRA-A before the dispatch sends it
         # along the tokens' route: either way mid is [.., r] and its route's backward sums dmid over TP
         complete = path in (LOWRANK, PREDISPATCHED)
+        lean_row = plan.lean and not self.column_parallel and not self.dispatched
         if self.column_parallel and not complete:
             mid = mappings.gather_last_dim(mid, group)
+        elif lean_row and self.sequence_parallel:  # this rank's sequence shard only (regather.core.peak.row)
+            mid = mappings.reduce_scatter_seq(mid, group)
         elif not self.column_parallel:
             mid = mappings.reduce_from_group(mid, group)
-
         if self.activation_fn is not None:
             mid = self.activation_fn(mid)
-        if not complete:
+        if not complete and not lean_row:  # the lean row LoRA-B sums dmid over TP itself
             mid = mappings.copy_to_group(mid, group)
-        out = linear(mid, b, fuse, splits=splits)
-        if not self.column_parallel and self.dispatched:  # the caller sums the base's partial outputs
-            out = partial_output(out, self.tp_rank, self.tp_size)
-        elif not self.column_parallel:
-            out = mappings.gather_last_dim(out, group)
-            if self.sequence_parallel:
-                out = mappings.scatter_seq(out, group)
-        if self.dropout is not None and self.dropout_position == "post":
-            out = self.dropout(out)
-        # mul.Scalar: autograd keeps the scale as a number (``out * scale`` wraps it in a 0-dim tensor
-        # that MulBackward0 saves: 8 bytes per adapter the allocator sees); the same kernel, same bits
-        out = torch.ops.aten.mul.Scalar(out, self.scale)
-        if slot is not None and out.requires_grad:
-            out.register_hook(slot.on_output_grad)  # early re-gather: start when dout arrives
-        return out
+        return mid, plan, b, splits

@@ -102,6 +102,7 @@ class ParallelLinearAdapter(AdapterDecisions, AdapterForward, nn.Module):
         lowrank_grad_allreduce: str = GRAD_ALLREDUCE_BACKWARD,
         gradient_accumulation_fusion: bool | None = None,
         recompute_inputs: bool = False,
+        lean_transients: bool | None = None,
         params_dtype: torch.dtype | None = None,
         device=None,
         pool: ScratchPool | None = None,
@@ -131,6 +132,11 @@ class ParallelLinearAdapter(AdapterDecisions, AdapterForward, nn.Module):
             gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.pool = pool
+        # LoRA's output added into the base's in place, in chunks (regather.core.peak): None = every
+        # strategy but gather; True / False as set
+        if lean_transients not in (None, True, False):
+            raise ValueError(f"lean_transients must be None, True or False, got {lean_transients!r}")
+        self.lean_transients = lean_transients
         self.init_decisions(recompute_inputs)
         self.activation_fn = ACTIVATIONS[activation]  # between LoRA-A and LoRA-B (None: identity)
         self.facts = AdapterFacts(

@@ -78,6 +78,9 @@ class LinearWithWgrad(torch.autograd.Function):
     No communication: the strategies wrap it with the collectives they need.
     ``source`` (:mod:`regather.core.recompute.sources`) is loaded only when ``dW`` is
     needed, so a recomputed input costs nothing in a backward that skips LoRA-A's gradient.
+    ``into``: a ``(junction, group)`` pair (:mod:`regather.core.peak.junction`) that takes the input
+    gradient ``dY W`` and adds it into the base's in place (all-reduced over ``group`` first, when not
+    None); the Function then returns ``None`` for ``X`` (autograd adds nothing for it).
 
     The weight is kept as ``ctx.weight``, not through ``save_for_backward``:
     under ``saved_tensors_hooks`` autograd hands back a new Python object for a
@@ -85,19 +88,25 @@ class LinearWithWgrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, fuse, source):
+    def forward(ctx, x, weight, fuse, source, into):
         ctx.save_for_backward(*source.save(x))
-        ctx.weight, ctx.fuse, ctx.source = weight, fuse, source.handle()
+        ctx.weight, ctx.fuse, ctx.source, ctx.into = weight, fuse, source.handle(), into
         return torch.matmul(x, weight.t())
 
     @staticmethod
     def backward(ctx, grad_out):
         weight = ctx.weight
-        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_in = None
+        if ctx.needs_input_grad[0]:
+            if ctx.into is None:
+                grad_in = grad_out.matmul(weight)
+            else:
+                junction, group = ctx.into
+                junction.contribute(grad_out, weight, group)
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = weight_grad(weight, grad_out, ctx.source.load(ctx.saved_tensors), ctx.fuse)
-        return grad_in, grad_w, None, None
+        return grad_in, grad_w, None, None, None
 
 
 class GroupedLinearWithWgrad(torch.autograd.Function):
@@ -147,8 +156,12 @@ class GroupedLinearWithWgrad(torch.autograd.Function):
         return grad_in, grad_w, None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, fuse: bool = False, source=KEEP, splits=None) -> torch.Tensor:
-    """``x @ weight^T`` (``splits``: per-expert row blocks of ``x`` against ``weight [E, out, in]``)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, fuse: bool = False, source=KEEP, splits=None,
+           into=None) -> torch.Tensor:
+    """``x @ weight^T`` (``splits``: per-expert row blocks of ``x`` against ``weight [E, out, in]``;
+    ``into``: where the input gradient goes instead of autograd, see :class:`LinearWithWgrad`)."""
     if splits is not None:
+        if into is not None:
+            raise ValueError("per-expert row blocks hand their input gradient to autograd (into=None)")
         return GroupedLinearWithWgrad.apply(x, weight, list(splits), fuse, source)
-    return LinearWithWgrad.apply(x, weight, fuse, source)
+    return LinearWithWgrad.apply(x, weight, fuse, source, into)

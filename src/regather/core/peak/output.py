@@ -1,0 +1,129 @@
+"""LoRA-B added into the base's output in place, one row chunk at a time (no full-width LoRA output).
+
+The classic adapter returns its own output and the wrapper adds it: ``base(x) + scale * (mid B^T)``.
+Three full-width tensors come and go on the way (per rank, ``W`` the base's output ``[s, b, o/t]``):
+LoRA-B's output, its scaled copy (``mul`` holds input and output at once) and the sum; and in backward
+the scale's gradient ``scale * dY``. With the base's own output that is up to ``3 W`` alive at once,
+``2 W`` over the frozen model. Here the scale goes on the rank-``r`` side and LoRA-B's output is made
+chunk by chunk (:mod:`.chunks`) into one buffer and added to the base's output where it lies::
+
+    mid_s = scale * mid                                    [s, b, r]      (the adapter does this)
+    out[rows, cols] += mid_s[rows] B^T    for each row chunk               (in place: marks ``out`` dirty)
+
+    backward: d out   = dY                                 (passed on to the base, as is)
+              d mid_s = dY[:, cols] B                       [s, b, r]
+              dB      = dY[:, cols]^T mid_s                 through regather.core.wgrad
+
+Saved: ``mid_s``, the rank-``r`` tensor the classic LoRA-B saves too; nothing full-width at any moment
+but one chunk. ``cols`` is where the adapter's output columns lie in the base's output: all of them,
+or a block (a row-parallel expert's partial output, :func:`regather.megatron.dense.adapter.forward`).
+
+**Bits.** Each output element is the same dot product over ``r`` as the classic GEMM's (a row chunk of
+a GEMM with the same ``K``), and ``base + delta`` the same addition. Moving the scale to the rank-``r``
+side (Megatron Bridge #5906 does the same, after 0.6.2) changes nothing when ``scale = alpha / dim`` is a
+power of two — multiplying by ``2^k`` is exact, so ``(2^k mid) B^T = 2^k (mid B^T)`` and
+``dY^T (2^k mid) = (2^k dY)^T mid`` bit for bit (Bridge's defaults and recipes: ``alpha / dim`` = 1 or
+2) — and rounds otherwise (an fp64 bound: tests.harness.numerics). :func:`lora_into_output_ref` is the
+plain expression, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from regather.core.peak.chunks import row_chunks
+from regather.core.wgrad import weight_grad
+
+
+def flat_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, last dim]`` (a view when it is contiguous)."""
+    return t.view(-1, t.shape[-1]) if t.is_contiguous() else t.reshape(-1, t.shape[-1])
+
+
+def add_rows_(dst: torch.Tensor, left: torch.Tensor, right_t: torch.Tensor, reduce=None) -> None:
+    """``dst += left @ right_t`` chunk by chunk over the rows (``dst [N, n]``, ``left [N, k]``,
+    ``right_t [k, n]``), one chunk buffer for all (:mod:`.chunks`); ``reduce(part)``, when given, is
+    applied to each chunk's product in place before it is added (an all-reduce over TP)."""
+    chunks = row_chunks(dst.shape[0], dst.shape[1] * dst.element_size())
+    if not chunks:  # no rows (an expert that got no tokens)
+        return
+    if len(chunks) == 1:
+        part = torch.matmul(left, right_t)
+        if reduce is not None:
+            reduce(part)
+        dst.add_(part)
+        return
+    buf = torch.empty(chunks[0].stop - chunks[0].start, dst.shape[1], dtype=dst.dtype, device=dst.device)
+    for rows in chunks:
+        part = buf[: rows.stop - rows.start]
+        torch.matmul(left[rows], right_t, out=part)
+        if reduce is not None:
+            reduce(part)
+        dst[rows].add_(part)
+
+
+def in_place_target(out: torch.Tensor) -> torch.Tensor:
+    """What to add into: ``out`` itself, or for a view ``out.detach()`` (the same storage and version
+    counter, so a saved copy of ``out`` that is read later still fails autograd's version check)."""
+    return out.detach() if out._is_view() else out
+
+
+def returned_in_place(ctx, out: torch.Tensor) -> torch.Tensor:
+    """The forward's result after adding into :func:`in_place_target` (``out``): ``out`` marked dirty, as
+    an in-place op returns it; a view can't be (autograd forbids an in-place op on a view that a custom
+    Function returned — megatron's TP mappings return their input as is at one rank, Transformer
+    Engine's LayerNormLinear returns views), so a new view of it is returned: the base's output was a
+    view the caller could not modify in place before, and it can't after."""
+    if out._is_view():
+        return out.view_as(out)
+    ctx.mark_dirty(out)
+    return out
+
+
+class LoraIntoOutput(torch.autograd.Function):
+    """``out[..., cols] += mid_s B^T`` in place (module doc); returns ``out``."""
+
+    @staticmethod
+    def forward(ctx, out, mid_s, weight, fuse, cols, on_grad):
+        if not out.is_contiguous():
+            raise ValueError(f"LoRA's output is added in place into the base's output, which must be contiguous "
+                             f"(got shape {tuple(out.shape)}, strides {out.stride()})")
+        flat = in_place_target(out).view(-1, out.shape[-1])
+        dst = flat if cols is None else flat[:, cols]
+        if dst.shape[-1] != weight.shape[0]:
+            raise ValueError(f"LoRA-B has {weight.shape[0]} output features, the base's output columns "
+                             f"{cols} hold {dst.shape[-1]}")
+        add_rows_(dst, flat_rows(mid_s), weight.t())
+        ctx.save_for_backward(mid_s)
+        ctx.weight, ctx.fuse, ctx.cols, ctx.on_grad = weight, fuse, cols, on_grad
+        return returned_in_place(ctx, out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.on_grad is not None:  # early re-gather starts here, before LoRA-B's dgrad
+            ctx.on_grad()
+        (mid_s,) = ctx.saved_tensors
+        weight = ctx.weight
+        g = flat_rows(grad_out)
+        if ctx.cols is not None:
+            g = g[:, ctx.cols]
+        grad_mid = g.matmul(weight).view(mid_s.shape) if ctx.needs_input_grad[1] else None
+        grad_w = weight_grad(weight, g, mid_s, ctx.fuse) if ctx.needs_input_grad[2] else None
+        return grad_out, grad_mid, grad_w, None, None, None
+
+
+def lora_into_output_(out: torch.Tensor, mid_s: torch.Tensor, weight: torch.Tensor, fuse: bool = False,
+                      cols: slice | None = None, on_grad=None) -> torch.Tensor:
+    """``out[..., cols] += mid_s @ weight^T`` in place, chunked (``on_grad``: called first in backward)."""
+    return LoraIntoOutput.apply(out, mid_s, weight, fuse, cols, on_grad)
+
+
+def lora_into_output_ref(out: torch.Tensor, mid: torch.Tensor, weight: torch.Tensor, scale: float,
+                         cols: slice | None = None) -> torch.Tensor:
+    """The classic expression it replaces: ``out + scale * (mid B^T)`` (placed at ``cols``)."""
+    delta = (mid @ weight.t()) * scale
+    if cols is None:
+        return out + delta
+    full = torch.zeros_like(out)
+    full[..., cols] = delta
+    return out + full
