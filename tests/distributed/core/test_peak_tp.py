@@ -3,10 +3,10 @@
 parts: the fp64 rule), and the input junction (bit for bit autograd's sum, in place)."""
 
 import pytest
-from workers_peak import B, O, S, junction_cases, row_cases
+from tests.harness.numerics import check_rounding
+from workers_peak import OUT, B, S, junction_cases, row_cases
 
 from regather.tools.cpu.dist import run_ranks
-from tests.harness.numerics import check_rounding
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -31,7 +31,7 @@ def test_row_lora_b_on_this_ranks_rows(small_chunks):
             # whole sequence, [s, b, o], and its output and scaled copy; lean one chunk of its output
             classic_peak, lean_peak = r[(sp, "classic", "peak")], r[(sp, "lean", "peak")]
             print(f"rank {rank} SP {sp}: peak classic {classic_peak} B, lean {lean_peak} B")
-            assert classic_peak - lean_peak >= S * B * O * 4, (rank, sp, classic_peak, lean_peak)
+            assert classic_peak - lean_peak >= S * B * OUT * 4, (rank, sp, classic_peak, lean_peak)
 
 
 def test_junction_adds_lora_input_gradient_in_place(small_chunks):

@@ -17,8 +17,8 @@ from regather.core.recompute.sources import KEEP, Recomputed
 from regather.core.strategies.regather import RegatherSlot, regather_shared_linear_a
 from regather.core.strategies.shared_anchor import AnchorMembers, anchor_shared
 from regather.core.strategies.shared_gather import SharedGather
-from regather.core.wgrad import linear
 from regather.core.unwrap import plain
+from regather.core.wgrad import linear
 
 
 def _local(shape, rank, seed):

@@ -12,7 +12,7 @@ from regather.core.peak.junction import Junction, attach
 from regather.core.peak.row import row_lora_into_output_
 from regather.core.wgrad import linear
 
-S, B, O, R, H = 32, 2, 48, 4, 40
+S, B, OUT, R, H = 32, 2, 48, 4, 40
 SCALE = 2.0
 
 
@@ -24,8 +24,8 @@ def _row_inputs(rank, t, sp, dtype):
     """This rank's TP-partial ``x_i A_i^T`` (whole sequence), LoRA-B rows, the base's output and its
     gradient (the sequence shard under SP, else whole), from full tensors seeded alike on every rank."""
     partial = _full(10 + rank, S, B, R, dtype=dtype)
-    b_i = _full(20, O, R, dtype=dtype).chunk(t, 0)[rank].contiguous()
-    base, dy = _full(30, S, B, O, dtype=dtype), _full(40, S, B, O, dtype=dtype)
+    b_i = _full(20, OUT, R, dtype=dtype).chunk(t, 0)[rank].contiguous()
+    base, dy = _full(30, S, B, OUT, dtype=dtype), _full(40, S, B, OUT, dtype=dtype)
     if sp:
         base, dy = base.chunk(t, 0)[rank].contiguous(), dy.chunk(t, 0)[rank].contiguous()
     return partial, b_i, base, dy

@@ -4,13 +4,13 @@ gradient-accumulation fusion, bad input, and the bytes: one chunk at most, count
 
 import pytest
 import torch
+from tests.harness.numerics import check_rounding
 
 from regather.core.allocated import AllocatedBytes
 from regather.core.peak import chunks
 from regather.core.peak.output import lora_into_output_, lora_into_output_ref
-from tests.harness.numerics import check_rounding
 
-N, O, R = 64, 48, 4
+N, OUT, R = 64, 48, 4
 
 
 @pytest.fixture
@@ -43,10 +43,10 @@ def test_a_bad_minimum_chunk_size_is_refused(monkeypatch):
 
 def _operands(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    base = torch.randn(N // 2, 2, O, generator=g).to(dtype)
+    base = torch.randn(N // 2, 2, OUT, generator=g).to(dtype)
     mid = torch.randn(N // 2, 2, R, generator=g).to(dtype)
-    b = torch.randn(O, R, generator=g).to(dtype)
-    dy = torch.randn(N // 2, 2, O, generator=g).to(dtype)
+    b = torch.randn(OUT, R, generator=g).to(dtype)
+    dy = torch.randn(N // 2, 2, OUT, generator=g).to(dtype)
     return base, mid, b, dy
 
 
@@ -131,8 +131,8 @@ def test_the_step_holds_one_chunk_of_lora_output_at_most(small_chunks):
 
     over_classic = step(lambda: _classic(base, mid, b, 2.0, dy)) - step(frozen)
     over_lean = step(lambda: _lean(base, mid, b, 2.0, dy)) - step(frozen)
-    chunk = chunks.row_chunks(N, O * 4)[0]
+    chunk = chunks.row_chunks(N, OUT * 4)[0]
     rank_r = 3 * mid.numel() * 4 + 2 * b.numel() * 4  # mid, its scaled copy and gradient; B's copy and gradient
     print(f"over the base alone: classic {over_classic} B, lean {over_lean} B (W = {w_bytes} B)")
     assert over_classic >= w_bytes, (over_classic, w_bytes)  # at least one full-width LoRA tensor at once
-    assert over_lean <= (chunk.stop - chunk.start) * O * 4 + rank_r, (over_lean, w_bytes)
+    assert over_lean <= (chunk.stop - chunk.start) * OUT * 4 + rank_r, (over_lean, w_bytes)
