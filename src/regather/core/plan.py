@@ -26,4 +26,4 @@ class Plan:
     layout: Any = None  # the front end's layout (torchtitan: its layout.Layout, column or row)
     gathered: Any = None  # the front end's record of the gather its input came from (torchtitan)
     lean: bool = False  # LoRA's output added into the base's in place, in chunks (regather.core.peak)
-    junction: Any = None  # where LoRA-A's input gradient goes into the base's (regather.core.peak.junction)
+    junction: Any = None  # InputGradParts: LoRA-A's input gradient added into the base's (regather.core.peak.junction)

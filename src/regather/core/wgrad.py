@@ -78,7 +78,7 @@ class LinearWithWgrad(torch.autograd.Function):
     No communication: the strategies wrap it with the collectives they need.
     ``source`` (:mod:`regather.core.recompute.sources`) is loaded only when ``dW`` is
     needed, so a recomputed input costs nothing in a backward that skips LoRA-A's gradient.
-    ``into``: a ``(junction, group)`` pair (:mod:`regather.core.peak.junction`) that takes the input
+    ``into``: a ``(parts, group)`` pair (:class:`regather.core.peak.junction.InputGradParts`) that takes the input
     gradient ``dY W`` and adds it into the base's in place (all-reduced over ``group`` first, when not
     None); the Function then returns ``None`` for ``X`` (autograd adds nothing for it).
 
@@ -101,8 +101,8 @@ class LinearWithWgrad(torch.autograd.Function):
             if ctx.into is None:
                 grad_in = grad_out.matmul(weight)
             else:
-                junction, group = ctx.into
-                junction.contribute(grad_out, weight, group)
+                parts, group = ctx.into
+                parts.contribute(grad_out, weight, group)
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = weight_grad(weight, grad_out, ctx.source.load(ctx.saved_tensors), ctx.fuse)

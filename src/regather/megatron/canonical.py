@@ -44,6 +44,7 @@ from regather.core.strategies import Strategy
 from regather.core.strategies.shared_gather import SharedGather
 from regather.megatron.dense import te
 from regather.megatron.dense.adapter import ParallelLinearAdapter
+from regather.megatron.dense.adapter.forward import LEAN_OUTPUT_NOT_DENSE
 from regather.megatron.dense.linears import group_size, tp_group
 from regather.megatron.dense.model import finish_wrapping
 from regather.megatron.dense.wrapper import LoRALinear
@@ -96,17 +97,42 @@ class LoRALinearSplit(LoRALinear):
             return self.to_wrap(x, *args, **kwargs)
         members = list(self.adapter.values())
         share = self._shared_gather(members)
-        plans = []
+        plans, parts = [], None
         for adapter in members:  # each anchors x in turn: every deferred dA waits for the base dgrad
-            x, plan = adapter.plan(x, share, reads_base_input=not self.te_layernorm)
+            x, plan = adapter.plan(x, share, reads_base_input=not self.te_layernorm, parts=parts)
+            parts = parts if parts is not None else plan.junction  # one sum of the members' input gradients
             plans.append(plan)
         if self.te_layernorm:
-            return te.lora_forward_many(
-                self.to_wrap, list(zip(members, plans)), x,
-                lambda out, ln_out: out + self._combine_list([a(ln_out, plan=p) for a, p in zip(members, plans)]),
-                *args, **kwargs)
+            return te.lora_forward_many(self.to_wrap, list(zip(members, plans)), x,
+                                        lambda out, ln_out: self._add(out, ln_out, plans), *args, **kwargs)
         out, bias = self.to_wrap(x, *args, **kwargs)
-        return out + self._combine_list([a(x, plan=p) for a, p in zip(members, plans)]), bias
+        return self._add(out, x, plans), bias
+
+    def _add(self, out: torch.Tensor, x: torch.Tensor, plans: list) -> torch.Tensor:
+        """The base's output with every adapter's added: each into its own columns of it, in place, when
+        every plan is lean (:meth:`blocks`), else placed side by side and added (the classic sum)."""
+        members = list(self.adapter.items())
+        if all(p.lean for p in plans):
+            if out.is_contiguous():
+                for (key, adapter), plan in zip(members, plans):
+                    out = adapter(x, plan=plan, base_out=out, out_blocks=self.blocks(key))
+                return out
+            members[0][1].log_lean_fallback(LEAN_OUTPUT_NOT_DENSE)
+        return out + self._combine_list([a(x, plan=p) for (_, a), p in zip(members, plans)])
+
+    def blocks(self, key: str) -> tuple:
+        """Where adapter ``key``'s output columns lie in the fused output: ``((output columns, its
+        LoRA-B rows), ...)`` — one block for gate / up, one per query group for q, k and v."""
+        widths = self._widths()
+        if self.fused == "linear_fc1":
+            start = 0 if key == "adapter_gate" else widths["adapter_gate"]
+            return ((slice(start, start + widths[key]), slice(0, widths[key])),)
+        groups, per_group, head_dim = self._qkv
+        stride = (per_group + 2) * head_dim
+        offset, width = {"adapter_q": (0, per_group * head_dim), "adapter_k": (per_group * head_dim, head_dim),
+                         "adapter_v": ((per_group + 1) * head_dim, head_dim)}[key]
+        return tuple((slice(g * stride + offset, g * stride + offset + width), slice(g * width, (g + 1) * width))
+                     for g in range(groups))
 
     def _shared_gather(self, members) -> SharedGather | None:
         n = sum(a.decide().used == Strategy.REGATHER for a in members)

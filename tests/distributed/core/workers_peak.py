@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from regather.core import mappings
 from regather.core.allocated import AllocatedBytes
-from regather.core.peak.junction import Junction, attach
+from regather.core.peak.junction import InputGradParts, attach
 from regather.core.peak.row import row_lora_into_output_
 from regather.core.wgrad import linear
 
@@ -89,11 +89,11 @@ def junction_case(rank, world, replicated: bool, with_junction: bool) -> dict:
     group = dist.group.WORLD
     x, w, a_i, dy, dmid = _junction_inputs(rank, world, torch.float32)
     x, a_i = x.requires_grad_(), a_i.requires_grad_()
-    junction = Junction() if with_junction else None
-    inp = attach(x, a_i, junction) if with_junction else x
+    parts = InputGradParts() if with_junction else None
+    inp = attach(x, a_i, parts=parts) if with_junction else x
     base = inp @ w.t()
     if with_junction:
-        mid = linear(inp, a_i, into=(junction, group if replicated else None))
+        mid = linear(inp, a_i, into=(parts, group if replicated else None))
     else:
         mid = linear(mappings.copy_to_group(inp, group) if replicated else inp, a_i)
     torch.autograd.backward([base, mid], [dy, dmid])

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from regather.core.peak.chunks import row_chunks
-from regather.core.wgrad import weight_grad
+from regather.core.wgrad import main_grad_placeholder, weight_grad
 
 
 def flat_rows(t: torch.Tensor) -> torch.Tensor:
@@ -80,6 +80,19 @@ def returned_in_place(ctx, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def blocks_of(cols, rows: int) -> tuple:
+    """``cols`` as ``((output columns, LoRA-B rows), ...)``: None (all columns, all rows), one slice of the
+    output (all rows), or the pairs themselves (an adapter whose output lies in several blocks of a fused
+    base's, CanonicalLoRA's q heads per query group); the rows must cover LoRA-B's ``rows`` in order."""
+    if cols is None or isinstance(cols, slice):
+        return ((slice(None) if cols is None else cols, slice(0, rows)),)
+    blocks = tuple(cols)
+    covered = [i for _, r in blocks for i in range(*r.indices(rows))]
+    if covered != list(range(rows)):
+        raise ValueError(f"LoRA-B output blocks {blocks} do not cover its {rows} rows in order")
+    return blocks
+
+
 class LoraIntoOutput(torch.autograd.Function):
     """``out[..., cols] += mid_s B^T`` in place (module doc); returns ``out``."""
 
@@ -88,14 +101,17 @@ class LoraIntoOutput(torch.autograd.Function):
         if not out.is_contiguous():
             raise ValueError(f"LoRA's output is added in place into the base's output, which must be contiguous "
                              f"(got shape {tuple(out.shape)}, strides {out.stride()})")
+        blocks = blocks_of(cols, weight.shape[0])
         flat = in_place_target(out).view(-1, out.shape[-1])
-        dst = flat if cols is None else flat[:, cols]
-        if dst.shape[-1] != weight.shape[0]:
+        width = sum(flat[:1, c].shape[-1] for c, _ in blocks)
+        if width != weight.shape[0]:
             raise ValueError(f"LoRA-B has {weight.shape[0]} output features, the base's output columns "
-                             f"{cols} hold {dst.shape[-1]}")
-        add_rows_(dst, flat_rows(mid_s), weight.t())
+                             f"{cols} hold {width}")
+        mid = flat_rows(mid_s)
+        for c, r in blocks:
+            add_rows_(flat[:, c], mid, weight[r].t())
         ctx.save_for_backward(mid_s)
-        ctx.weight, ctx.fuse, ctx.cols, ctx.on_grad = weight, fuse, cols, on_grad
+        ctx.weight, ctx.fuse, ctx.blocks, ctx.on_grad = weight, fuse, blocks, on_grad
         return returned_in_place(ctx, out)
 
     @staticmethod
@@ -103,18 +119,53 @@ class LoraIntoOutput(torch.autograd.Function):
         if ctx.on_grad is not None:  # early re-gather starts here, before LoRA-B's dgrad
             ctx.on_grad()
         (mid_s,) = ctx.saved_tensors
-        weight = ctx.weight
+        weight, blocks = ctx.weight, ctx.blocks
         g = flat_rows(grad_out)
-        if ctx.cols is not None:
-            g = g[:, ctx.cols]
-        grad_mid = g.matmul(weight).view(mid_s.shape) if ctx.needs_input_grad[1] else None
-        grad_w = weight_grad(weight, g, mid_s, ctx.fuse) if ctx.needs_input_grad[2] else None
+        grad_mid = grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_mid = _grad_mid(g, weight, blocks).view(mid_s.shape)
+        if ctx.needs_input_grad[2]:
+            if len(blocks) == 1:
+                grad_w = weight_grad(weight, g[:, blocks[0][0]], mid_s, ctx.fuse)
+            else:
+                grad_w = block_weight_grad(weight, [(g[:, c], r) for c, r in blocks], flat_rows(mid_s), ctx.fuse)
         return grad_out, grad_mid, grad_w, None, None, None
 
 
+def _grad_mid(g: torch.Tensor, weight: torch.Tensor, blocks: tuple) -> torch.Tensor:
+    """``dY[:, cols] B``: one GEMM over the adapter's columns, as the classic LoRA-B's backward; with
+    several blocks their columns are copied side by side one row chunk at a time, so the GEMM is the
+    same (its sum over the output features in one piece)."""
+    if len(blocks) == 1:
+        return g[:, blocks[0][0]].matmul(weight)
+    out = torch.empty(g.shape[0], weight.shape[1], dtype=g.dtype, device=g.device)
+    for rows in row_chunks(g.shape[0], weight.shape[0] * g.element_size()):
+        side_by_side = torch.cat([g[rows, c] for c, _ in blocks], dim=1)
+        torch.matmul(side_by_side, weight, out=out[rows])
+    return out
+
+
+def block_weight_grad(weight: torch.Tensor, parts, mid: torch.Tensor, fuse: bool):
+    """``dB`` one row block at a time, ``dB[rows] = dY_block^T mid`` for ``(dY_block, rows)`` in ``parts``:
+    each element the same sum over the tokens as one GEMM's; into ``main_grad``'s rows under
+    gradient-accumulation fusion (megatron's placeholder returned, regather.core.wgrad)."""
+    main_grad = getattr(weight, "main_grad", None) if fuse else None
+    if main_grad is not None:
+        from regather.ops import wgrad_accumulate_
+
+        for g_block, rows in parts:
+            wgrad_accumulate_(main_grad[rows], g_block, mid)
+        return main_grad_placeholder(weight)
+    grad = torch.empty_like(weight)
+    for g_block, rows in parts:
+        grad[rows] = g_block.t().matmul(mid)
+    return grad
+
+
 def lora_into_output_(out: torch.Tensor, mid_s: torch.Tensor, weight: torch.Tensor, fuse: bool = False,
-                      cols: slice | None = None, on_grad=None) -> torch.Tensor:
-    """``out[..., cols] += mid_s @ weight^T`` in place, chunked (``on_grad``: called first in backward)."""
+                      cols=None, on_grad=None) -> torch.Tensor:
+    """``out[..., cols] += mid_s @ weight^T`` in place, chunked (``cols``: see :func:`blocks_of`;
+    ``on_grad``: called first in backward)."""
     return LoraIntoOutput.apply(out, mid_s, weight, fuse, cols, on_grad)
 
 

@@ -41,7 +41,7 @@ gather overlaps more than LoRA-A's skinny dgrad:
 * **early start** — a tensor hook on the adapter *output* fires when its
   gradient arrives, before LoRA-B's dgrad, the ``dmid`` all-reduce and LoRA-A's
   dgrad run, and issues the async all-gather of ``x_local`` into a pool lease;
-* **deferred dA** — a :class:`~regather.core.peak.junction.Junction`, an identity on
+* **deferred dA** — a junction (:mod:`regather.core.peak.junction`), an identity on
   the input of the wrapped layer (``LoRALinear``) or of the adapter, takes LoRA-A as a second
   input. Its backward runs only once everything that read that input has
   produced its input gradient (the frozen base layer's dgrad and

@@ -1,7 +1,7 @@
 """Early re-gather for several adapters fed by one gathered input: one anchor, N weights.
 
 Early re-gather (:mod:`regather.core.strategies.regather`) defers each regather adapter's ``dA``
-to an identity on its input (a :class:`~regather.core.peak.junction.Junction`, one
+to an identity on its input (a junction, :mod:`regather.core.peak.junction`, one
 weight) so that ``dA`` runs once everything that read the input produced its gradient. When a
 *caller* gathers the input once for several linears and adapters — PyTorch-native tensor
 parallelism gathers ``[b, s/t, h] -> [b, s, h]`` in the attention or feed-forward module's input

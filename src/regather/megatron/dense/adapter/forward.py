@@ -26,7 +26,7 @@ instead of adding the adapter's own: the scale goes on ``mid`` (rank ``r``), LoR
 into the base's output in row chunks, a row-parallel base's LoRA-B runs on this rank's sequence shard
 with its weight gathered (``mid`` reduce-scattered, not all-reduced), and where LoRA-A reads the base's
 own input (row-parallel, SP off) its input gradient goes into the base's in place through the
-forward's :class:`~regather.core.peak.junction.Junction`. No full-width LoRA tensor exists at once
+forward's junction (:mod:`regather.core.peak.junction`). No full-width LoRA tensor exists at once
 beyond one chunk (docs/design.md §3.8).
 """
 
@@ -39,7 +39,7 @@ import torch
 from regather.core import accounting, debug, mappings
 from regather.core.buffers import default_pool
 from regather.core.decision import expected
-from regather.core.peak.junction import Junction, attach
+from regather.core.peak.junction import InputGradParts, attach
 from regather.core.peak.output import lora_into_output_
 from regather.core.peak.row import row_lora_into_output_
 from regather.core.plan import Plan
@@ -104,15 +104,16 @@ class AdapterForward:
     def in_features_local(self) -> int:
         return self.linear_in.weight.shape[-1]
 
-    def plan(self, x: torch.Tensor, share: SharedGather | None = None,
-             reads_base_input: bool = True) -> tuple[torch.Tensor, Plan]:
+    def plan(self, x: torch.Tensor, share: SharedGather | None = None, reads_base_input: bool = True,
+             parts: InputGradParts | None = None) -> tuple[torch.Tensor, Plan]:
         """Decide this forward's strategy and whether its output is lean. Where backward work must wait
         for the base's input gradient — a regather's deferred ``dA`` (early re-gather), a lean adapter's
-        input-gradient contribution (row-parallel, SP off) — route ``x`` through a
-        :class:`~regather.core.peak.junction.Junction`; a wrapper (``LoRALinear``) calls this *before* its
-        base layer and feeds the returned ``x`` to both. See :mod:`regather.core.strategies.regather`.
+        input-gradient contribution (row-parallel, SP off) — route ``x`` through a junction
+        (:mod:`regather.core.peak.junction`); a wrapper (``LoRALinear``) calls this *before* its base
+        layer and feeds the returned ``x`` to both. See :mod:`regather.core.strategies.regather`.
         ``reads_base_input=False``: the adapter's input is not ``x`` but what the base makes of it
-        (Transformer Engine's LayerNorm output): its input gradient goes back through the base."""
+        (Transformer Engine's LayerNorm output): its input gradient goes back through the base.
+        ``parts``: the contributions of the other adapters on this input (CanonicalLoRA), to join."""
         self.check_input(x)
         debug.maybe_check_adapter_input(self, x)  # opt-in: REGATHER_DEBUG_SHAPES=1 / check_shapes
         decision = self.decide()
@@ -127,13 +128,13 @@ class AdapterForward:
         if why is not None:
             self.log_lean_fallback(why)
             lean = False
-        into_base_grad = (lean and reads_base_input and x.requires_grad and torch.is_grad_enabled()
-                          and self.redirects_input_grad)
-        junction = None
-        if into_base_grad or (slot is not None and slot.defer):
-            junction = Junction(slot if slot is not None and slot.defer else None)
-            x = attach(x, self.linear_in.weight, junction)
-        return x, Plan(decision, slot=slot, share=share, junction=junction if into_base_grad else None, lean=lean)
+        redirect = (lean and reads_base_input and x.requires_grad and torch.is_grad_enabled()
+                    and self.redirects_input_grad)
+        parts = (parts if parts is not None else InputGradParts()) if redirect else None
+        defer = slot if slot is not None and slot.defer else None
+        if parts is not None or defer is not None:
+            x = attach(x, self.linear_in.weight, defer, parts)
+        return x, Plan(decision, slot=slot, share=share, junction=parts, lean=lean)
 
     def lean_asked(self) -> bool:
         """``lean_transients``: True / False as set, None (the default) for every strategy but gather."""
@@ -170,11 +171,13 @@ class AdapterForward:
         return None
 
     def forward(self, x: torch.Tensor, plan: Plan | None = None, input_gathered: bool = False,
-                x_full: torch.Tensor | None = None, m_splits=None, base_out: torch.Tensor | None = None):
+                x_full: torch.Tensor | None = None, m_splits=None, base_out: torch.Tensor | None = None,
+                out_blocks=None):
         """The adapter's own output, ``scale * B(A(x))`` in the base's output layout — or, given the base's
         output ``base_out``, that output with the adapter's added (in place and in chunks when the plan is
         lean: :meth:`add_into`). Wrappers pass ``base_out``, through the module's ``__call__`` so that
-        hooks on the adapter run as before.
+        hooks on the adapter run as before; ``out_blocks``: where this adapter's columns lie in it, when
+        it is one of several on a fused base (:func:`regather.core.peak.output.blocks_of`).
 
         ``input_gathered``: ``x`` is ``[s, b, h]``, already gathered over the sequence by the
         caller in a gather whose backward reduce-scatters the gradient it receives
@@ -192,7 +195,7 @@ class AdapterForward:
         if plan is None:
             x, plan = self.plan(x)
         if base_out is not None:
-            return self.add_into(base_out, x, plan, input_gathered, x_full, m_splits)
+            return self.add_into(base_out, x, plan, input_gathered, x_full, m_splits, out_blocks)
         plan = dataclasses.replace(plan, lean=False, junction=None)
         mid, plan, b, splits = self._mid(x, plan, input_gathered, x_full, m_splits)
         out = linear(mid, b, self.gradient_accumulation_fusion, splits=splits)
@@ -212,13 +215,16 @@ class AdapterForward:
         return out
 
     def add_into(self, base_out: torch.Tensor, x: torch.Tensor, plan: Plan, input_gathered: bool = False,
-                 x_full: torch.Tensor | None = None, m_splits=None) -> torch.Tensor:
+                 x_full: torch.Tensor | None = None, m_splits=None, out_blocks=None) -> torch.Tensor:
         """``base_out`` plus this adapter's output: added in place, chunk by chunk, when the plan is lean
         (module doc), else ``base_out + forward(...)``. ``x`` and the keywords as for :meth:`forward`."""
-        if plan.lean and not (base_out.is_contiguous() and base_out.shape[-1] == self.base_out_features):
+        width = self.base_out_features if out_blocks is None else None
+        if plan.lean and not (base_out.is_contiguous() and width in (None, base_out.shape[-1])):
             self.log_lean_fallback(LEAN_OUTPUT_NOT_DENSE)
             plan = dataclasses.replace(plan, lean=False, junction=None)
         if not plan.lean:
+            if out_blocks is not None:
+                raise ValueError(f"LoRA adapter on {self.facts.base_name!r}: out_blocks needs a lean plan")
             return base_out + self.forward(x, dataclasses.replace(plan, lean=False, junction=None), input_gathered,
                                            x_full, m_splits)
         mid, plan, b, splits = self._mid(x, plan, input_gathered, x_full, m_splits)
@@ -229,7 +235,7 @@ class AdapterForward:
         slot = plan.slot
         on_grad = (lambda: slot.on_output_grad(None)) if slot is not None else None
         if self.column_parallel:
-            return lora_into_output_(base_out, mid, b, fuse, on_grad=on_grad)
+            return lora_into_output_(base_out, mid, b, fuse, cols=out_blocks, on_grad=on_grad)
         if self.dispatched:  # a partial output: this rank's columns of it
             width = b.shape[0]
             return lora_into_output_(base_out, mid, b, fuse, cols=slice(self.tp_rank * width, (self.tp_rank + 1) * width),

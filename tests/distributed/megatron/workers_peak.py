@@ -1,0 +1,101 @@
+"""Rank bodies for test_peak.py: LoRA's peak over the frozen linear, one adapter on megatron-core's own
+linears (local spec) and on the TE model's, TP2 + SP, every strategy with and without recompute.
+
+One case: a frozen base (column-parallel ``o = 8h``, as fc1; row-parallel ``h_in = 8h``, as fc2), its
+LoRA, one forward + backward; the allocator's bytes (:class:`regather.core.allocated.AllocatedBytes`,
+every collective settled) alive at the end of the forward (kept) and at the step's highest point (peak),
+the smallest of :data:`REPEATS` steps after a first one (which verifies a recompute and may allocate
+scratch). The same for the frozen base alone; the test subtracts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from regather.core.allocated import AllocatedBytes
+
+S, B, H, R = 256, 2, 32, 8
+WIDE = 8 * H
+REPEATS = 3
+#: (strategy, lean_transients): the classic gather (Megatron Bridge's), the same made lean, regather, lowrank
+VARIANTS = (("gather", None), ("gather", True), ("regather", None), ("lowrank", None))
+
+
+def _base(spec: str, kind: str, group):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from tests.harness.te_model import TELayerNormColumnParallelLinear, TERowParallelLinear, te_config
+
+    t = dist.get_world_size(group)
+    config = te_config(H, t, True)
+    init = lambda w: torch.nn.init.normal_(w, std=0.1)
+    torch.manual_seed(3)
+    if spec == "local":
+        cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+        kw = dict(gather_output=False) if kind == "column" else dict(input_is_parallel=True)
+    else:
+        cls = TELayerNormColumnParallelLinear if kind == "column" else TERowParallelLinear
+        kw = dict(gather_output=False, tp_comm_buffer_name="fc1") if kind == "column" else dict(
+            input_is_parallel=True, tp_comm_buffer_name="fc2")
+        kw.update(is_expert=False, tp_group=group)
+    sizes = (H, WIDE) if kind == "column" else (WIDE, H)
+    base = cls(*sizes, config=config, init_method=init, bias=False, skip_bias_add=True, **kw)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    return base
+
+
+def _data(kind, rank, t):
+    g = torch.Generator().manual_seed(1)
+    if kind == "column":
+        x = torch.randn(S, B, H, generator=g).chunk(t, 0)[rank]
+        dy = torch.randn(S, B, WIDE, generator=g).chunk(t, 2)[rank]
+    else:
+        x = torch.randn(S, B, WIDE, generator=g).chunk(t, 2)[rank]
+        dy = torch.randn(S, B, H, generator=g).chunk(t, 0)[rank]
+    return x.contiguous().requires_grad_(), dy.contiguous()
+
+
+def _bytes(module, x, dy) -> tuple[int, int]:
+    counts = []
+    for step in range(1 + REPEATS):
+        x.grad = None
+        with AllocatedBytes(settle_each_collective=True) as a:
+            y, _ = module(x)
+            a.mark("forward")
+            y.backward(dy)
+            del y
+        if step:
+            counts.append((a.alive_at("forward"), a.peak))
+    return min(c[0] for c in counts), min(c[1] for c in counts)
+
+
+def run(rank, world, spec: str) -> dict:
+    """``(kind, strategy, lean, recompute) -> (kept, peak)`` and ``(kind, "frozen") -> (kept, peak)``; the
+    decisions."""
+    from tests.harness.te_model import te_behaviour
+    from torch import nn
+
+    from regather import LoRA
+    from regather.tools.cpu.models import init_model_parallel
+
+    init_model_parallel(world)
+    group, out = dist.group.WORLD, {"bytes": {}, "decisions": {}}
+    with te_behaviour("te>=2.4"):
+        for kind in ("column", "row"):
+            name = "linear_fc1" if kind == "column" else "linear_fc2"
+            x, dy = _data(kind, rank, world)
+            out["bytes"][(kind, "frozen")] = _bytes(_base(spec, kind, group), x, dy)
+            for strategy, lean in VARIANTS:
+                for recompute in (False, True):
+                    holder = nn.Module()
+                    setattr(holder, name, _base(spec, kind, group))
+                    torch.manual_seed(5)
+                    LoRA(target_modules=[name], dim=R, alpha=2 * R, lora_B_init_method="normal",
+                         sequence_parallel_input_strategy=strategy, lean_transients=lean,
+                         recompute_adapter_inputs=recompute)(holder)
+                    wrapper = getattr(holder, name)
+                    key = (kind, strategy, lean, recompute)
+                    out["bytes"][key] = _bytes(wrapper, x, dy)
+                    out["decisions"][key] = str(wrapper.adapter.last_decision)
+    return out
