@@ -8,7 +8,7 @@ bytes over ``rows`` rows (tokens):
 ``min(MAX_CHUNKS, total // MIN_CHUNK_BYTES)`` equal chunks (at least one), that is:
 
 * at most :data:`MAX_CHUNKS` (8), so at long context a chunk is ``total / 8`` (the peak goal: what LoRA
-  keeps + ``W/4``, docs/design.md §3.8);
+  keeps + ``W/4``, docs/design.md §3.7);
 * none under :data:`MIN_CHUNK_BYTES` (16 MiB; ``REGATHER_MIN_CHUNK_BYTES`` overrides it), so each
   chunk's GEMM stays large enough for a GPU: 16 MiB of Qwen3-8B's fc1 output at TP2 (12,288 bf16
   columns) is 683 rows, a [683, r] x [r, 12288] GEMM of 6 x 96 tiles of 128 x 128 — over four waves on

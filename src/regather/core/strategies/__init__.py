@@ -14,7 +14,7 @@ Where bytes are saved, sent and recomputed:
   one gathered input (PyTorch-native TP gathers once per module)
 - :mod:`~regather.core.recompute.sources`  — what a path saves for ``dA``: the input (kept), or what
   its producer keeps, recomputed in backward (producers found by :mod:`regather.megatron.dense.producers`)
-- :mod:`~regather.core.wgrad`        — the shared weight-gradient GEMM / main_grad fusion
+- :mod:`~regather.core.wgrad` (in core, beside :mod:`regather.core.peak`) — the shared weight-gradient GEMM
 - :mod:`~regather.core.strategies.paths`  — the path interface, the table of every path and the lookup
 """
 

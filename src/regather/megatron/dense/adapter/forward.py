@@ -27,7 +27,7 @@ into the base's output in row chunks, a row-parallel base's LoRA-B runs on this 
 with its weight gathered (``mid`` reduce-scattered, not all-reduced), and where LoRA-A reads the base's
 own input (row-parallel, SP off) its input gradient goes into the base's in place through the
 forward's junction (:mod:`regather.core.peak.junction`). No full-width LoRA tensor exists at once
-beyond one chunk (docs/design.md §3.8).
+beyond one chunk (docs/design.md §3.7).
 """
 
 from __future__ import annotations
