@@ -59,6 +59,10 @@ class RunConfig:
 # on gather only fc2 recomputes.
 VARIANTS = {
     "regather-plain": ("regather", {"early_regather": False}),
+    # regather with the classic output path (LoRA's full-width output, scale and sum, docs/design.md §3.7):
+    # what lean_transients changed, timed in the same run
+    "regather-classic": ("regather", {"lean_transients": False}),
+    "gather-lean": ("gather", {"lean_transients": True}),
     "regather-recompute": ("regather", {"recompute_adapter_inputs": True}),
     "lowrank-recompute": ("lowrank", {"recompute_adapter_inputs": True}),
     "gather-recompute": ("gather", {"recompute_adapter_inputs": True}),
@@ -280,6 +284,47 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: Steps measured for the allocator's bytes after training (the smallest count is reported: a stray
+#: allocation under load can only add).
+PEAK_STEPS = 2
+
+
+def frozen_gpt(cfg: RunConfig, device: torch.device | None = None):
+    """The same GPT with every weight frozen and no LoRA; its decoder input requires grad so that its
+    backward runs through every layer, as a LoRA model's does (the baseline of "over the frozen model")."""
+    model = build_gpt(cfg.shape, cfg.tp, cfg.sequence_parallel, cfg.torch_dtype, seed=cfg.seed,
+                      init_parallel=False, **model_overrides(cfg))
+    if device is not None and torch.device(device).type != "cpu":
+        model = model.to(device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    require_decoder_input_grad(model)
+    return model
+
+
+def step_bytes(model: torch.nn.Module, batch, steps: int = PEAK_STEPS) -> dict:
+    """The allocator's bytes of one forward + backward (no optimizer step): ``kept`` = allocated in the
+    forward and alive at its end, ``peak`` = the most alive at once over the step, both over what was
+    alive before it; every collective settled (:class:`regather.core.allocated.AllocatedBytes`), the
+    smallest of ``steps`` steps. Gradients are left as they were (``.grad`` of LoRA weights reset)."""
+    from regather.core.allocated import AllocatedBytes
+
+    counts = []
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for _ in range(steps):
+        for p in trainable:
+            p.grad = None
+        with AllocatedBytes(settle_each_collective=True) as a:
+            loss = gpt_loss(model, batch)
+            a.mark("forward")
+            loss.backward()
+            del loss
+        counts.append((a.alive_at("forward"), a.peak))
+    for p in trainable:
+        p.grad = None
+    return {"kept": min(c[0] for c in counts), "peak": min(c[1] for c in counts)}
+
+
 def compare_strategies(
     rank: int,
     world_size: int,
@@ -288,6 +333,7 @@ def compare_strategies(
     tokens: torch.Tensor | None = None,
     device: torch.device | None = None,
     progress: Callable[[str, int, float], None] | None = None,
+    peak: bool = False,
 ) -> dict:
     """Train one model per strategy side by side; return ``{strategy: result}``.
 
@@ -297,7 +343,9 @@ def compare_strategies(
     is measured: retained bytes at the end of forward and collective bytes of
     forward + backward. Each result has the keys of :func:`train_lora` (times of
     steps ``>= cfg.warmup`` enter the median). ``progress(strategy, step,
-    seconds)`` is called after each step (rank 0 passes a printer).
+    seconds)`` is called after each step (rank 0 passes a printer). With ``peak``, after training each
+    model's allocator bytes (:func:`step_bytes`) under ``"allocated"``, and the frozen model's
+    (:func:`frozen_gpt`) under ``out["frozen"]["allocated"]``, measured on the first batch.
     """
     import dataclasses
 
@@ -345,6 +393,11 @@ def compare_strategies(
                 res["grads"] = {n: p.grad.detach().float().cpu().clone() for n, p in named[name].items()}
             if progress is not None:
                 progress(name, step, dt)
+    if peak:  # the same first batch for every model, after training (a first forward verifies recomputes)
+        first = _to(next(iter(token_batches(cfg, tokens))), device)
+        for name in strategies:
+            out[name]["allocated"] = step_bytes(models[name], first)
+        out["frozen"] = {"allocated": step_bytes(frozen_gpt(cfg, device), first)}
     for name in strategies:
         res = out[name]
         res["decisions"] = {path: str(a.last_decision) for path, a in adapters(models[name]).items()}
