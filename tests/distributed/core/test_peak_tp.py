@@ -4,7 +4,7 @@ parts: the fp64 rule), and the input junction (bit for bit autograd's sum, in pl
 
 import pytest
 from tests.harness.numerics import check_rounding
-from workers_peak import OUT, B, S, junction_cases, row_cases
+from workers_peak_tp import OUT, B, S, junction_cases, row_cases
 
 from regather.tools.cpu.dist import run_ranks
 

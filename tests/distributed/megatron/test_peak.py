@@ -7,7 +7,7 @@ input ``[s, b, h]``, which its bit-identity needs); the classic gather (Megatron
 full-width output, scale and sum, and is shown for the record."""
 
 import pytest
-from workers_peak import VARIANTS, WIDE, B, H, R, S, run
+from workers_peak_linear import VARIANTS, WIDE, B, H, R, S, run
 
 from regather.tools.cpu.dist import run_ranks
 

@@ -36,8 +36,7 @@ def local_linear_a(x, weight, args):
     """``row`` and ``dispatched``: ``x A^T`` on the input as it is (per-expert row blocks with
     ``args.splits``), saved through ``args.source``; with ``args.junction`` its input gradient is
     added into the base's in place (:mod:`regather.core.peak.junction`)."""
-    into = None if args.junction is None else (args.junction, None)
-    return linear(x, weight, args.fuse, args.source, args.splits, into=into)
+    return linear(x, weight, args.fuse, args.source, args.splits, into=args.junction)
 
 
 def replicated_linear_a(x, weight, args):
@@ -45,5 +44,5 @@ def replicated_linear_a(x, weight, args):
     TP (a copy to the group) — or, with ``args.junction``, all-reduces it chunk by chunk on its way
     into the base's input gradient."""
     if args.junction is not None:
-        return linear(x, weight, args.fuse, args.source, into=(args.junction, args.group))
+        return linear(x, weight, args.fuse, args.source, into=args.junction)
     return linear(mappings.copy_to_group(x, args.group), weight, args.fuse, args.source)

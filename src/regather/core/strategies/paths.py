@@ -59,8 +59,8 @@ class PathArgs:
     share: Any = None               # regather: a SharedGather with the other adapters on this input
     splits: Any = None              # per-expert adapters: the m_splits row blocks, one weight each
     seq_dim: int = 0                # the sequence dim of x: 0 for [s, b, h] (megatron), 1 for [b, s, h]
-    junction: Any = None            # regather.core.peak.junction: dX added into the base's in place (row,
-                                    # replicated); None: autograd adds it
+    junction: Any = None            # (InputGradParts, group or None): dX added into the base's in place, all-
+                                    # reduced over group first (regather.core.peak.junction); None: autograd
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from regather.core.peak.row import row_lora_into_output_
 from regather.core.plan import Plan
 from regather.core.strategies import Strategy
 from regather.core.strategies.lowrank import replicated_shard
-from regather.core.strategies.paths import LOWRANK, PREDISPATCHED, PathArgs
+from regather.core.strategies.paths import DISPATCHED, LOWRANK, PREDISPATCHED, REPLICATED, ROW, PathArgs
 from regather.core.strategies.regather import new_slot
 from regather.core.strategies.shared_gather import SharedGather
 from regather.core.wgrad import linear
@@ -150,8 +150,10 @@ class AdapterForward:
     @property
     def redirects_input_grad(self) -> bool:
         """LoRA-A reads the base's own full-width input and its gradient joins the base's: a row-parallel
-        base, or a column-parallel one without SP (not a dispatched expert: the dispatcher sums)."""
-        return not self.dispatched and (not self.column_parallel or not self.sequence_parallel)
+        base, or a column-parallel one without SP (SP's gather sends a column adapter's back through its
+        own reduce-scatter, a shard). Whether this forward's path delivers it is known with the path
+        (:meth:`_mid`: a shared expert LoRA-A before the dispatch and per-expert blocks do not)."""
+        return not self.column_parallel or not self.sequence_parallel
 
     def shares_input_gather(self, plan: Plan) -> bool:
         """Whether this forward's LoRA-A reads the full input (gather/regather, column-parallel,
@@ -272,9 +274,14 @@ class AdapterForward:
         if self.replicated_a and path is not LOWRANK:  # fallback: this rank's rows, grads completed over TP
             a = replicated_shard(a, self.tp_rank, self.tp_size, group, fuse, self.lowrank_reduce_in_backward)
         splits = self.row_blocks(x, m_splits)
+        into = None
+        if plan.junction is not None and splits is None and path in (ROW, REPLICATED, DISPATCHED):
+            # the junction takes LoRA-A's input gradient: summed over TP first on the replicated path
+            # (megatron's copy to the TP region), partial as the base's where the dispatcher reduces both
+            into = (plan.junction, group if path is REPLICATED else None)
         args = PathArgs(group=group, fuse=fuse, pool=self.pool or default_pool(), slot=slot, source=source,
                         x_full=x_full, reduce_dA=self.lowrank_reduce_in_backward, share=plan.share, splits=splits,
-                        junction=plan.junction)
+                        junction=into)
         # what LoRA-A saves is counted apart, per base layer (accounting.SavedBytes.of)
         with accounting.label(f"{accounting.ADAPTER_INPUT}:{self.facts.base_name}"):
             mid = path(x, a, args)

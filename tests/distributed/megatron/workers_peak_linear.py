@@ -1,4 +1,4 @@
-"""Rank bodies for test_peak.py: LoRA's peak over the frozen linear, one adapter on megatron-core's own
+"""Rank bodies for test_peak.py (tests/distributed/megatron): LoRA's peak over the frozen linear, one adapter on megatron-core's own
 linears (local spec) and on the TE model's, TP2 + SP, every strategy with and without recompute.
 
 One case: a frozen base (column-parallel ``o = 8h``, as fc1; row-parallel ``h_in = 8h``, as fc2), its
