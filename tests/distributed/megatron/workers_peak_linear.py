@@ -1,8 +1,9 @@
 """Rank bodies for test_peak.py (tests/distributed/megatron): LoRA's peak over the frozen linear, one adapter on megatron-core's own
 linears (local spec) and on the TE model's, TP2 + SP, every strategy with and without recompute.
 
-One case: a frozen base (column-parallel ``o = 8h``, as fc1; row-parallel ``h_in = 8h``, as fc2), its
-LoRA, one forward + backward; the allocator's bytes (:class:`regather.core.allocated.AllocatedBytes`,
+One case: a frozen base (column-parallel ``o = 8h``, as fc1; row-parallel ``h_in = 8h``, as fc2; on the
+local spec also megatron's expert linears at expert-TP 2, which leave their communication to the token
+dispatcher: ``[n, h]`` tokens in, ``[n, o/t]`` out, and a partial ``[n, h]`` out of fc2), its LoRA, one forward + backward; the allocator's bytes (:class:`regather.core.allocated.AllocatedBytes`,
 every collective settled) alive at the end of the forward (kept) and at the step's highest point (peak),
 the smallest of :data:`REPEATS` steps after a first one (which verifies a recompute and may allocate
 scratch). The same for the frozen base alone; the test subtracts.
@@ -30,6 +31,15 @@ def _base(spec: str, kind: str, group):
     config = te_config(H, t, True)
     init = lambda w: torch.nn.init.normal_(w, std=0.1)
     torch.manual_seed(3)
+    if kind.startswith("expert"):  # megatron's expert linears (SequentialMLP's): expert TP, no TP comm of their own
+        column = kind == "expert-column"
+        cls = ColumnParallelLinear if column else RowParallelLinear
+        kw = dict(gather_output=False) if column else dict(input_is_parallel=True)
+        base = cls(*((H, WIDE) if column else (WIDE, H)), config=config, init_method=init, bias=False,
+                   skip_bias_add=True, is_expert=True, **kw)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        return base
     if spec == "local":
         cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
         kw = dict(gather_output=False) if kind == "column" else dict(input_is_parallel=True)
@@ -47,6 +57,12 @@ def _base(spec: str, kind: str, group):
 
 def _data(kind, rank, t):
     g = torch.Generator().manual_seed(1)
+    if kind == "expert-column":  # the dispatched tokens, the same on every expert-TP rank
+        return torch.randn(S * B, H, generator=g).requires_grad_(), torch.randn(S * B, WIDE, generator=g).chunk(
+            t, 1)[rank].contiguous()
+    if kind == "expert-row":  # fc1's output columns in, a partial [n, h] out (the dispatcher sums it)
+        return (torch.randn(S * B, WIDE, generator=g).chunk(t, 1)[rank].contiguous().requires_grad_(),
+                torch.randn(S * B, H, generator=g))
     if kind == "column":
         x = torch.randn(S, B, H, generator=g).chunk(t, 0)[rank]
         dy = torch.randn(S, B, WIDE, generator=g).chunk(t, 2)[rank]
@@ -79,11 +95,12 @@ def run(rank, world, spec: str) -> dict:
     from regather import LoRA
     from regather.tools.cpu.models import init_model_parallel
 
-    init_model_parallel(world)
+    init_model_parallel(world, etp=world)
     group, out = dist.group.WORLD, {"bytes": {}, "decisions": {}}
+    kinds = ("column", "row") + (("expert-column", "expert-row") if spec == "local" else ())
     with te_behaviour("te>=2.4"):
-        for kind in ("column", "row"):
-            name = "linear_fc1" if kind == "column" else "linear_fc2"
+        for kind in kinds:
+            name = "linear_fc1" if kind.endswith("column") else "linear_fc2"
             x, dy = _data(kind, rank, world)
             out["bytes"][(kind, "frozen")] = _bytes(_base(spec, kind, group), x, dy)
             for strategy, lean in VARIANTS:
