@@ -19,8 +19,15 @@
 #      regather-recompute, lowrank-recompute, gather-recompute — on gather only fc2 recomputes),
 #      timed against gather and against the same strategy without recompute (paired per round);
 #      each result lists the adapters' decisions (which input is recomputed, from what).
+#      The variants regather-classic (regather with the classic output path: LoRA's full-width
+#      output, scale and sum) and gather-lean (the gather path with lean_transients=True) put the
+#      output path of issue 45 side by side: peak and paired time in the same run;
+#   3. time left (LONG_S, default 60 s, when at least 40 s remain): the same layer at long context
+#      per CP rank, s=16384 (128k tokens at CP8: the linears see s/cp tokens; the local spec's
+#      attention has no CP), fewer variants and rounds, into $OUT/long/ (max_memory_allocated per
+#      strategy: the peak users see).
 # Results: layer_bench.json, layer_bench.md, layer_bench.log in $OUT, or in
-# benchmarks/results/gpu/ when OUT is unset.
+# benchmarks/results/gpu/ when OUT is unset; the long-context pass in long/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -41,5 +48,15 @@ LEFT=$(( BUDGET_S - ($(date +%s) - t0) )); [ "$LEFT" -lt 30 ] && LEFT=30  # the 
 timeout "$LEFT" "$PY" benchmarks/gpu/layer_bench.py --out "$OUT_DIR" "$@" 2>&1 \
   | grep --line-buffered -v -e "UserWarning" -e "warnings.warn" | tee "$OUT_DIR/layer_bench.log"
 rc=${PIPESTATUS[0]}
+LEFT=$(( BUDGET_S - ($(date +%s) - t0) ))
+if [ "$rc" -eq 0 ] && [ "$LEFT" -ge 40 ]; then
+  LONG_S=${LONG_S:-60}; [ "$LONG_S" -gt "$LEFT" ] && LONG_S=$LEFT
+  mkdir -p "$OUT_DIR/long"
+  if [[ " $* " == *" --dry-run "* ]]; then LONG_ARGS=(--seq 128); else LONG_ARGS=(--seq 16384); fi
+  timeout "$LONG_S" "$PY" benchmarks/gpu/layer_bench.py --out "$OUT_DIR/long" "$@" "${LONG_ARGS[@]}" \
+    --strategies gather,gather-lean,regather-classic,regather,regather-recompute,lowrank --warmup 1 --rounds 3 \
+    2>&1 | grep --line-buffered -v -e "UserWarning" -e "warnings.warn" | tee "$OUT_DIR/long/layer_bench.log"
+  echo "run.sh: long-context pass exit ${PIPESTATUS[0]}"
+fi
 echo "run.sh: exit $rc after $(( $(date +%s) - t0 )) s; results in $OUT_DIR"
 exit "$rc"

@@ -33,8 +33,12 @@ default: around ``torch.compile``'d code a dispatch mode makes Dynamo refuse the
 torch dispatch mode present"), so only code that runs eagerly may ask for it.
 
 **The peak** (``peak``: what ``torch.cuda.max_memory_allocated`` shows, less the level at the region's
-start). The events in order give the live bytes at every moment: an allocation adds, a free subtracts
-— also the free of a block allocated before the region, since it lowers the allocator's total as much.
+start). The events in order give the live bytes at every moment: an allocation adds, the free of a block
+allocated inside the region subtracts. The free of an older block is not counted: on CPU the allocator
+reports it only for blocks made while some profiler ran, and what frees it there is mostly the garbage
+collector running inside the region (another step's tensors), so counting it would make two equal steps
+differ; the peak is then the most bytes the region itself had alive at once (an upper bound of the
+allocator's rise, exact where the region frees nothing older).
 Holding a collective's tensors to the end would raise the peak (they would outlive their use), and a
 free a gloo worker makes unseen would keep it high to the end. ``settle_each_collective=True`` does
 neither: right after each collective the calling thread drains that collective's process group (the
@@ -238,12 +242,12 @@ class AllocatedBytes:
             if size < 0 and ptr in markers:
                 markers.discard(ptr)
                 continue
-            level += size
-            peak = max(peak, level)
             if size > 0:
                 live[ptr] = size
-            else:
-                live.pop(ptr, None)
+                level += size
+                peak = max(peak, level)
+            elif ptr in live:  # a block of the region freed; an older one's free is not counted (module doc)
+                level -= live.pop(ptr)
         missing = sorted(set(self._marks) - set(self._alive_at))
         if missing:
             raise RuntimeError(f"AllocatedBytes: the profiler recorded no event for mark(s) {missing}")

@@ -22,7 +22,8 @@ SCRIPT = ROOT / "benchmarks" / "gpu" / "device_run.sh"
 FILES = {"summary.txt", "device_run.log", "layer_bench.json", "layer_bench.md", "kernels.json", "kernels.md",
          "results.tar.gz"}
 VARIANTS = {"gather", "regather", "regather-plain", "lowrank", "regather-recompute", "lowrank-recompute",
-            "gather-recompute"}
+            "gather-recompute", "regather-classic", "gather-lean"}
+LONG = {"gather", "gather-lean", "regather-classic", "regather", "regather-recompute", "lowrank"}
 
 
 @pytest.mark.timeout(1500)
@@ -59,6 +60,8 @@ def test_cpu_dry_run_of_the_device_command(tmp_path):
     assert te_lora["te_model"]["verdict"] == "right gradients; recompute: rank-r bytes only", te_lora["te_model"]
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
         assert "./te/te_norm_grad.json" in tar.getnames() and "./te_lora/te_lora.json" in tar.getnames()
+        long = json.load(tar.extractfile("./run/long/layer_bench.json"))  # run.sh's long-context pass
+    assert set(long["results"]) == LONG, sorted(long["results"])
     layer = json.loads((tmp_path / "layer_bench.json").read_text())
     assert layer["args"]["dry_run"] is True and set(layer["results"]) == VARIANTS
     res = layer["results"]
