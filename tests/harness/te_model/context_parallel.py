@@ -60,6 +60,16 @@ def p2p_communicate(rank, send, send_dst, recv, recv_src, group) -> list:
     return [dist.irecv(recv, recv_src, group), dist.isend(send, send_dst, group)]
 
 
+def wait(reqs) -> None:
+    """``for req in reqs: req.wait()`` as TE does, skipping a request already completed: TE waits on
+    the same requests twice per backward step (a no-op on NCCL), and a second ``wait`` on a gloo
+    send / recv blocks for ever (measured, torch 2.13); so does one after the allocator accounting's
+    dispatch mode has waited on it (``regather.core.allocated``, ``settle_each_collective``)."""
+    for req in reqs:
+        if not req.is_completed():
+            req.wait()
+
+
 def _section(causal: bool, step: int, rank: int, cp: int, backward: bool) -> str:
     """Which tile a step computes (forward v2.18:1785-1900; backward v2.18:2576-2632)."""
     if not causal:
@@ -113,8 +123,7 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
         lse = out = None
         for i in range(cp + 1):
             if i < cp:
-                for req in reqs[(i + 1) % 2]:  # v2.18:1708-1710
-                    req.wait()
+                wait(reqs[(i + 1) % 2])  # v2.18:1708-1710
                 if i < cp - 1:
                     buffers[i + 1] = torch.empty_like(buffers[i])
                     reqs[i % 2] = p2p_communicate(rank, buffers[i], send_dst, buffers[i + 1], recv_src, group)
@@ -163,8 +172,7 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
         k_numel = ctx.k_numel
         reqs = []
         for i in range(cp):
-            for req in reqs:
-                req.wait()
+            wait(reqs)
             send, recv = buffers[i % 2], buffers[(i + 1) % 2]
             if i == 0:  # v2.18:2466-2476: keys first, their gradient last, both between
                 send, recv = send[0], recv[0]
@@ -182,9 +190,7 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
                 tiles.part(dout, qh), lse if qh is None else lse_second, args.softmax_scale, tiles.mask(section))
 
             _dq_correction(halves, dq, dq_, i, rank, cp, args.causal)  # v2.18:2645-2700
-            for req in reqs:  # v2.18:2715-2717 (TE waits again at the next step: a no-op on NCCL, a hang on gloo)
-                req.wait()
-            reqs = []
+            wait(reqs)  # v2.18:2715-2717
             dkv = buffers[(i + 1) % 2][1]  # v2.18:2721-2727: the gradient received, ours added
             dk = dkv[:k_numel].view(ctx.k_shape)
             dv = dkv[k_numel:].view(ctx.v_shape)
