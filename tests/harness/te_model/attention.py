@@ -12,7 +12,7 @@ backend, high precision): the core attention of megatron's TE spec, with context
 - **TE's module** (``dot_product_attention.py`` v2.18): sbhd's ``max_seqlen`` is the local length times
   ``cp`` (v2.18:1449-1475); THD's padded offsets default to ``cu_seqlens`` (``backends.py``
   v2.18:2117-2120); with CP, q / k / v are made contiguous and ``attn_forward_func_with_cp`` runs
-  (``backends.py`` v2.18:2157-2198, :mod:`.context_parallel`); without, ``FusedAttnFunc``
+  (``backends.py`` v2.18:2151-2198, :mod:`.context_parallel`); without, ``FusedAttnFunc``
   (:class:`FusedAttnFunc`), whose ``get_qkv_layout`` makes megatron's q / k / v contiguous (``v`` is a
   strided view of the fused QKV output: no layout matches, ``utils.py`` v2.18:2440-2443). Either way
   the output handed back is ``out.view(..., h·d)`` (``backends.py`` v2.18:2254): **a view of the tensor
@@ -35,8 +35,8 @@ from tests.harness.te_model.context_parallel import CPArgs, attn_forward_func_wi
 
 
 class FusedAttnFunc(torch.autograd.Function):
-    """``backends.py`` ``FusedAttnFunc`` (v2.18:1304-1650), F16: saves ``q, k, v, out`` and the
-    statistics (v2.18:1549-1582), recomputes the probabilities in backward."""
+    """``backends.py`` ``FusedAttnFunc`` (v2.18:1304-1937), F16: saves ``q, k, v, out`` and the
+    statistics (v2.18:1550, 1572-1581), recomputes the probabilities in backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale: float, mask):
@@ -107,7 +107,7 @@ class TEDotProductAttention(nn.Module):
         self.kept_packed_seq_params -= {"total_tokens", "seq_idx", "tokens_per_sample"}  # 0.19.2: Mamba / MoE only
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
-        """TE's ``DotProductAttention.set_context_parallel_group`` (v2.18:565-600)."""
+        """TE's ``DotProductAttention.set_context_parallel_group`` (v2.18:565-604)."""
         self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
         self.cp_comm_type = cp_comm_type
 

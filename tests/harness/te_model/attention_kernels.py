@@ -8,7 +8,7 @@
   *given* ``lse``, ``D = rowsum(dout * out)``. With context parallelism ``out`` and ``lse`` are the
   merged ones over all tiles, so each tile's partial ``dq, dk, dv`` are exact parts of the whole
   gradient (TE passes the merged ``out`` / ``softmax_lse`` to every step's ``fused_attn_bwd``,
-  ``context_parallel.py`` v2.18:2520-2560). The maths is plain matmul-softmax in the input dtype.
+  ``context_parallel.py`` v2.18:2514-2550). The maths is plain matmul-softmax in the input dtype.
 - masks: none (``no_mask``), ``causal`` aligned bottom-right (a query row ``i`` of ``n_q`` sees keys
   ``j <= i + n_k - n_q``: top-left when the block is square, TE's ``causal_bottom_right`` for the
   shorter query chunks of the all-gather path), and segments (THD: a query sees keys of its own
@@ -184,7 +184,7 @@ class THDHalves:
 @dataclass(frozen=True)
 class SBHDHalves:
     """The same operations for sbhd (every sequence of the batch the same length ``n``): the halves
-    are views ``x.view(2, n // 2, ...)[half]``, as TE's ``[2, s//2, b, h, d]`` views (v2.18:1608-1612)."""
+    are views ``x.view(2, n // 2, ...)[half]``, as TE's ``[2, s//2, b, h, d]`` views (v2.18:1572-1578)."""
 
     n: int
 
@@ -217,7 +217,7 @@ class SBHDHalves:
         target.copy_(merged_lse(target, part))
 
     def add_corrected_(self, out, part, lse, lse_part, half: int | None) -> None:
-        """``flash_attn_fwd_out_correction`` / ``..._second_half_out_correction`` (v2.18:153-182)."""
+        """``flash_attn_fwd_out_correction`` / ``..._second_half_out_correction`` (v2.18:139-182)."""
         target = out if half is None else self.read(out, half)
         target.add_(corrected(part, lse_part, lse if half is None else self.read_lse(lse, half)))
 

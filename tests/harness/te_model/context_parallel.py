@@ -1,30 +1,31 @@
 """TE's attention with context parallelism on CPU ranks (``transformer_engine/pytorch/attention/
 dot_product_attention/context_parallel.py``, read at v2.18, "v2.18:N"): the ``p2p`` and
 ``all_gather`` communication types, high precision, the FusedAttention backend (TE's only backend for
-sbhd under CP, v2.18:5062-5064), no bias, no dropout, no sliding window.
+sbhd under CP, v2.18:5043-5045), no bias, no dropout, no sliding window.
 
 Tokens arrive load-balanced: a CP rank holds chunks ``r`` and ``2·cp − 1 − r`` of ``2·cp`` (megatron's
 ``get_batch_on_this_cp_rank``; for THD, of every sequence). Per rank, "first half" / "second half"
 below are those two chunks (:mod:`.attention_kernels`' ``SBHDHalves`` / ``THDHalves``).
 
 :class:`AttnFuncWithCPAndKVP2P` (v2.18:1356-2975), causal, ``cp`` steps: at step ``i`` a rank holds
-the keys / values of rank ``r − i`` (sent round a ring, ``isend`` / ``irecv``, even ranks send first:
-``flash_attn_p2p_communicate``, v2.18:96-136, unbatched — the path TE takes from compute capability
-10 on, or with ``NVTE_BATCH_MHA_P2P_COMM=0``; the batched one sends the same tensors). Step 0 is the
-*diagonal* tile (its own keys, causal), steps ``i <= r`` the *lower triangle* (all its queries against
-the first half of the keys, no mask), later steps the *upper triangle* (the second half of its queries
-against all the keys). Each tile gives an output and its log-sum-exp; the statistics are merged as
-they come (v2.18:1904-1950) and the outputs rescaled and summed after the loop (v2.18:1962-2009). It
-saves ``q``, the **last received** key/value buffer (not its own), the merged ``out`` and
-``softmax_lse`` (v2.18:2109-2121), and returns ``out`` itself (the tensor it saved). Backward sends
-the keys / values the other way round with their gradient accumulated on the way (each rank adds its
-part and passes it on, v2.18:2385-2810): after ``cp`` steps a rank holds its own keys' gradient.
+the keys / values of rank ``r − i``, sent round a ring with ``isend`` / ``irecv``, even ranks sending
+first (``flash_attn_p2p_communicate``, v2.18:96-136, unbatched: TE batches the same tensors only with
+``NVTE_BATCH_MHA_P2P_COMM`` set or below compute capability 10 at ``cp = 2``, v2.18:1421-1423). Step 0
+is the *diagonal* tile (its own keys, causal), steps ``1 <= i <= r`` the *lower triangle* (all its
+queries against the first half of the keys, no mask), later steps the *upper triangle* (the second
+half of its queries against all the keys). Each tile gives an output and its log-sum-exp; the
+statistics are merged as they come (v2.18:1913-1978) and the outputs rescaled and summed after the
+loop (v2.18:1980-2029). It saves ``q``, the **last received** key/value buffer (not its own), the
+merged ``out`` and ``softmax_lse`` (v2.18:2087, 2131-2142), and returns ``out`` itself (the tensor it
+saved). Backward sends the keys / values the other way round with their gradient accumulated on the
+way (each rank adds its part and passes it on, v2.18:2396-2810): after ``cp`` steps a rank holds its
+own keys' gradient.
 
 :class:`AttnFuncWithCPAndKVAllGather` (v2.18:3014-4166), sbhd: keys / values all-gathered over CP and
-put in sequence order (v2.18:3198-3215), then per local chunk ``c`` one tile of its queries against
+put in sequence order (v2.18:3213-3231), then per local chunk ``c`` one tile of its queries against
 keys ``[0, (c + 1)·n)`` with a bottom-right causal mask (``get_kv_seq_info_after_all_gather``). Saves
 ``q``, its own ``k``, ``v``, ``out`` and the two statistics; backward all-gathers the keys again and
-reduce-scatters their gradient (v2.18:4096-4121).
+reduce-scatters their gradient (v2.18:4110-4121).
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ class CPArgs:
 
 
 def _halves(args: CPArgs, n: int, cp: int):
-    """This rank's halves: v2.18:1441 divides the padded offsets by ``cp`` for THD."""
+    """This rank's halves: v2.18:1447 divides the padded offsets by ``cp`` for THD."""
     return THDHalves.of(args.cu_seqlens_padded // cp) if args.qkv_format == "thd" else SBHDHalves(n)
 
 
 def p2p_communicate(rank, send, send_dst, recv, recv_src, group) -> list:
-    """``flash_attn_p2p_communicate`` unbatched (v2.18:124-134): even ranks send first."""
+    """``flash_attn_p2p_communicate`` unbatched (v2.18:123-134): even ranks send first."""
     if rank % 2 == 0:
         return [dist.isend(send, send_dst, group), dist.irecv(recv, recv_src, group)]
     return [dist.irecv(recv, recv_src, group), dist.isend(send, send_dst, group)]
@@ -71,7 +72,7 @@ def wait(reqs) -> None:
 
 
 def _section(causal: bool, step: int, rank: int, cp: int, backward: bool) -> str:
-    """Which tile a step computes (forward v2.18:1785-1900; backward v2.18:2576-2632)."""
+    """Which tile a step computes (forward v2.18:1796-1910; backward v2.18:2580-2632)."""
     if not causal:
         return "all"
     if backward:
@@ -110,20 +111,20 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
     def forward(ctx, q, k, v, args: CPArgs):
         group = args.cp_group
         cp, rank = comm.size(group), dist.get_rank(group)
-        send_dst = args.cp_global_ranks[(rank + 1) % cp]  # v2.18:1420-1421
+        send_dst = args.cp_global_ranks[(rank + 1) % cp]  # v2.18:1418-1419
         recv_src = args.cp_global_ranks[(rank - 1) % cp]
         n = q.shape[0]
         halves = _halves(args, n, cp)
         tiles = _Tiles(halves, n, args.causal)
         k_shape, v_shape, k_numel = k.shape, v.shape, k.numel()
         buffers = [None] * cp
-        buffers[0] = torch.cat((k.view(-1), v.view(-1)), dim=-1)  # v2.18:1697: its own k / v, one buffer
+        buffers[0] = torch.cat((k.view(-1), v.view(-1)), dim=-1)  # v2.18:1690: its own k / v, one buffer
         reqs = [[], []]
         out_per_step, lse_per_step = [None] * cp, [None] * cp
         lse = out = None
         for i in range(cp + 1):
             if i < cp:
-                wait(reqs[(i + 1) % 2])  # v2.18:1708-1710
+                wait(reqs[(i + 1) % 2])  # v2.18:1702-1703
                 if i < cp - 1:
                     buffers[i + 1] = torch.empty_like(buffers[i])
                     reqs[i % 2] = p2p_communicate(rank, buffers[i], send_dst, buffers[i + 1], recv_src, group)
@@ -134,7 +135,7 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
                 out_per_step[i], lse_per_step[i] = tile_forward(
                     tiles.part(q, tiles.q_half(section)), tiles.part(k_part, kh), tiles.part(v_part, kh),
                     args.softmax_scale, tiles.mask(section))
-            if i > 0:  # v2.18:1904-1950: merge the statistics of step i - 1
+            if i > 0:  # v2.18:1913-1978: merge the statistics of step i - 1
                 if i == 1:
                     lse = torch.clone(lse_per_step[0])
                     if args.qkv_format == "thd":
@@ -142,14 +143,14 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
                 else:
                     half = None if (i - 1) <= rank or not args.causal else 1
                     halves.merge_lse_(lse, lse_per_step[i - 1], half)
-        for i in range(cp):  # v2.18:1962-2009: the outputs rescaled to the merged statistics
+        for i in range(cp):  # v2.18:1980-2029: the outputs rescaled to the merged statistics
             half = None if i <= rank or not args.causal else 1
             if i == 0 and args.qkv_format != "thd":
                 out = out_per_step[0] * torch.exp(lse_per_step[0] - lse).movedim(2, 0).unsqueeze(-1)
             else:
                 halves.add_corrected_(out, out_per_step[i], lse, lse_per_step[i], half)
-        kv = buffers[-1]  # v2.18:2053: the last received buffer
-        ctx.save_for_backward(q, kv, out, lse)  # v2.18:2109-2121
+        kv = buffers[-1]  # v2.18:2087: the last received buffer
+        ctx.save_for_backward(q, kv, out, lse)  # v2.18:2131-2142
         ctx.args, ctx.k_shape, ctx.v_shape, ctx.k_numel = args, k_shape, v_shape, k_numel
         return out
 
@@ -159,14 +160,14 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
         args = ctx.args
         group = args.cp_group
         cp, rank = comm.size(group), dist.get_rank(group)
-        send_dst = args.cp_global_ranks[(rank - 1) % cp]  # v2.18:2228-2229: the other way round
+        send_dst = args.cp_global_ranks[(rank - 1) % cp]  # v2.18:2229-2230: the other way round
         recv_src = args.cp_global_ranks[(rank + 1) % cp]
         n = q.shape[0]
         halves = _halves(args, n, cp)
         tiles = _Tiles(halves, n, args.causal)
-        lse_second = halves.read_lse(lse, 1) if args.causal and rank < cp - 1 else None  # v2.18:2279-2297
+        lse_second = halves.read_lse(lse, 1) if args.causal and rank < cp - 1 else None  # v2.18:2278-2297
         dout = dout.view(out.shape)
-        dq = torch.empty_like(q)  # v2.18:2385-2391
+        dq = torch.empty_like(q)  # v2.18:2396-2401
         buffers = [torch.empty((2, *kv.shape), dtype=kv.dtype, device=kv.device) for _ in range(2)]
         buffers[0][0].copy_(kv)
         k_numel = ctx.k_numel
@@ -174,7 +175,7 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
         for i in range(cp):
             wait(reqs)
             send, recv = buffers[i % 2], buffers[(i + 1) % 2]
-            if i == 0:  # v2.18:2466-2476: keys first, their gradient last, both between
+            if i == 0:  # v2.18:2487-2492: keys first, their gradient last, both between
                 send, recv = send[0], recv[0]
             if i == cp - 1:
                 send, recv = send[1], recv[1]
@@ -189,12 +190,12 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
                 tiles.part(q, qh), tiles.part(k_part, kh), tiles.part(v_part, kh), tiles.part(out, qh),
                 tiles.part(dout, qh), lse if qh is None else lse_second, args.softmax_scale, tiles.mask(section))
 
-            _dq_correction(halves, dq, dq_, i, rank, cp, args.causal)  # v2.18:2645-2700
-            wait(reqs)  # v2.18:2715-2717
-            dkv = buffers[(i + 1) % 2][1]  # v2.18:2721-2727: the gradient received, ours added
+            _dq_correction(halves, dq, dq_, i, rank, cp, args.causal)  # v2.18:2643-2698
+            wait(reqs)  # v2.18:2717-2719
+            dkv = buffers[(i + 1) % 2][1]  # v2.18:2721-2729: the gradient received, ours added
             dk = dkv[:k_numel].view(ctx.k_shape)
             dv = dkv[k_numel:].view(ctx.v_shape)
-            _dkv_correction(halves, dk, dk_, i, rank, cp, args.causal)  # v2.18:2763-2810
+            _dkv_correction(halves, dk, dk_, i, rank, cp, args.causal)  # v2.18:2731-2810
             _dkv_correction(halves, dv, dv_, i, rank, cp, args.causal)
         return dq, dk, dv, None
 
@@ -242,7 +243,7 @@ def _chunk_ids(cp: int, before: bool) -> torch.Tensor:
 
 
 def _gathered_in_sequence_order(x: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """v2.18:3198-3215: ``[n, ...]`` of every rank, its chunks put in sequence order ``[cp·n, ...]``."""
+    """v2.18:3213-3231: ``[n, ...]`` of every rank, its chunks put in sequence order ``[cp·n, ...]``."""
     total = comm.gather_along_first_dim(x, group)
     total = total.view(2 * cp, x.shape[0] // 2, *x.shape[1:]).index_select(0, _chunk_ids(cp, before=True))
     return total.view(-1, *x.shape[1:])
@@ -260,19 +261,19 @@ class AttnFuncWithCPAndKVAllGather(torch.autograd.Function):
         cp, rank = comm.size(group), dist.get_rank(group)
         n = q.shape[0]
         chunk = n // 2
-        q = q.view(2, chunk, *q.shape[1:])  # v2.18:3185-3190
+        q = q.view(2, chunk, *q.shape[1:])  # v2.18:3204-3206
         k, v = k.contiguous(), v.contiguous()
         k_ag, v_ag = _gathered_in_sequence_order(k, group, cp), _gathered_in_sequence_order(v, group, cp)
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         lse_per_step, ends = [], []
-        for i, c in enumerate((rank, 2 * cp - rank - 1)):  # v2.18:3333-3345
+        for i, c in enumerate((rank, 2 * cp - rank - 1)):  # v2.18:3252, 3337
             end = (c + 1) * chunk if args.causal else 2 * cp * chunk  # get_kv_seq_info_after_all_gather
             out_i, lse_i = tile_forward(q[i].contiguous(), k_ag[:end], v_ag[:end], args.softmax_scale,
                                         tile_mask(chunk, end, args.causal))
             out[i].copy_(out_i)
             lse_per_step.append(lse_i)
             ends.append(end)
-        ctx.save_for_backward(q, k, v, out, *lse_per_step)  # v2.18:3620-3640
+        ctx.save_for_backward(q, k, v, out, *lse_per_step)  # v2.18:3611-3621
         ctx.args, ctx.ends = args, ends
         return out.view(n, *out.shape[2:])
 
@@ -288,7 +289,7 @@ class AttnFuncWithCPAndKVAllGather(torch.autograd.Function):
         dk = torch.zeros((k.shape[0] * cp, *k.shape[1:]), dtype=k.dtype, device=k.device)
         dv = torch.zeros((v.shape[0] * cp, *v.shape[1:]), dtype=v.dtype, device=v.device)
         k_ag, v_ag = _gathered_in_sequence_order(k, group, cp), _gathered_in_sequence_order(v, group, cp)
-        for i, end in enumerate(ctx.ends):  # v2.18:3900-4093
+        for i, end in enumerate(ctx.ends):  # v2.18:3843-4093
             dq_i, dk_i, dv_i = tile_backward(q[i].contiguous(), k_ag[:end], v_ag[:end], out[i].contiguous(),
                                              dout[i].contiguous(), lse_per_step[i], args.softmax_scale,
                                              tile_mask(chunk, end, args.causal))
