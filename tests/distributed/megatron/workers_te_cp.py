@@ -18,6 +18,7 @@ CP group (megatron's DDP reduces over data x context parallel ranks), LoRA's wei
 
 from __future__ import annotations
 
+import gc
 import inspect
 import itertools
 
@@ -31,7 +32,7 @@ TP, CP = 2, 2
 STRATEGIES = ("gather", "regather", "lowrank")
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 MICRO_BATCH, DIM, SEED = 2, 8, 5
-REPEATS = 2  # bytes: the smallest of this many steps, after the step whose numerics are kept
+REPEATS = 2  # bytes: the smallest of this many steps after a discarded first one (measured_bytes)
 #: The one-CP references: fp32 (the reference computation's own rounding) and fp64, for the gather
 #: path (regather is compared with it bit for bit) and lowrank (its LoRA-A replicated: other shapes).
 REFERENCES = [(s, d) for s in ("gather", "lowrank") for d in (torch.float32, torch.float64)]
@@ -127,21 +128,26 @@ def result(model, per_token, total_tokens: int, cp: int) -> dict:
 
 
 def measured_bytes(model, tokens, position_ids, labels, total_tokens: int) -> dict:
-    """Allocator bytes of one step: alive after the forward and the step's peak (the smallest of
-    :data:`REPEATS` steps; every collective settled, so both are exact under gloo). Called after a
-    first step (which may allocate persistent scratch)."""
+    """Allocator bytes of one step: alive after the forward and the step's peak, the smallest of
+    :data:`REPEATS` steps after a discarded first one (every collective settled, so both are exact
+    under gloo). Measured here: a model's first measured step peaks higher (by 5 to 7 KiB: a first
+    use), a stray allocation now and then adds to a later one, and a garbage collection inside a step
+    frees blocks of earlier steps, which lowers its running sum (gather's peak 8 KiB low, on every
+    rank at the same step): Python's collector runs before each step, never inside one."""
     alive, peak = [], []
     hook = model.embedding.register_forward_hook(lambda m, a, out: out.detach().requires_grad_(True))
     try:
-        for _ in range(REPEATS):
+        for i in range(1 + REPEATS):
             model.zero_grad(set_to_none=True)
+            gc.collect()
             with AllocatedBytes(settle_each_collective=True) as region:
                 per_token = model(tokens, position_ids, None, labels=labels)
                 loss = per_token.sum() / total_tokens
                 region.mark("forward")
                 loss.backward()
-            alive.append(region.alive_at("forward"))
-            peak.append(region.peak)
+            if i:
+                alive.append(region.alive_at("forward"))
+                peak.append(region.peak)
             del per_token, loss
     finally:
         hook.remove()
