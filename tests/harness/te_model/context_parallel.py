@@ -50,8 +50,13 @@ class CPArgs:
 
 
 def _halves(args: CPArgs, n: int, cp: int):
-    """This rank's halves: v2.18:1447 divides the padded offsets by ``cp`` for THD."""
-    return THDHalves.of(args.cu_seqlens_padded // cp) if args.qkv_format == "thd" else SBHDHalves(n)
+    """This rank's halves: v2.18:1447 divides the padded offsets by ``cp`` for THD; sbhd needs an even
+    local length (v2.18:1568-1571)."""
+    if args.qkv_format == "thd":
+        return THDHalves.of(args.cu_seqlens_padded // cp)
+    if n % 2:
+        raise ValueError(f"TE: sequence length per GPU needs to be divisible by 2 (got {n} tokens at cp {cp})")
+    return SBHDHalves(n)
 
 
 def p2p_communicate(rank, send, send_dst, recv, recv_src, group) -> list:
@@ -83,8 +88,8 @@ def _section(causal: bool, step: int, rank: int, cp: int, backward: bool) -> str
 class _Tiles:
     """Per section: which halves of q / k enter the tile, and its mask (THD: same-sequence pairs)."""
 
-    def __init__(self, halves, n: int, causal: bool):
-        self.halves, self.n, self.causal, self._masks = halves, n, causal, {}
+    def __init__(self, halves, n: int):
+        self.halves, self.n, self._masks = halves, n, {}
 
     def q_half(self, section):
         return 1 if section == "upper-triangle" else None
@@ -115,7 +120,7 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
         recv_src = args.cp_global_ranks[(rank - 1) % cp]
         n = q.shape[0]
         halves = _halves(args, n, cp)
-        tiles = _Tiles(halves, n, args.causal)
+        tiles = _Tiles(halves, n)
         k_shape, v_shape, k_numel = k.shape, v.shape, k.numel()
         buffers = [None] * cp
         buffers[0] = torch.cat((k.view(-1), v.view(-1)), dim=-1)  # v2.18:1690: its own k / v, one buffer
@@ -164,7 +169,7 @@ class AttnFuncWithCPAndKVP2P(torch.autograd.Function):
         recv_src = args.cp_global_ranks[(rank + 1) % cp]
         n = q.shape[0]
         halves = _halves(args, n, cp)
-        tiles = _Tiles(halves, n, args.causal)
+        tiles = _Tiles(halves, n)
         lse_second = halves.read_lse(lse, 1) if args.causal and rank < cp - 1 else None  # v2.18:2278-2297
         dout = dout.view(out.shape)
         dq = torch.empty_like(q)  # v2.18:2396-2401
@@ -260,6 +265,8 @@ class AttnFuncWithCPAndKVAllGather(torch.autograd.Function):
         group = args.cp_group
         cp, rank = comm.size(group), dist.get_rank(group)
         n = q.shape[0]
+        if n % 2:  # v2.18:3139-3141
+            raise ValueError(f"TE: sequence length per GPU needs to be divisible by 2 (got {n} tokens)")
         chunk = n // 2
         q = q.view(2, chunk, *q.shape[1:])  # v2.18:3204-3206
         k, v = k.contiguous(), v.contiguous()
