@@ -12,8 +12,12 @@ its kernels are torch's.
 - :mod:`.modules`           — megatron's ``TELayerNormColumnParallelLinear``, ``TEColumnParallelLinear``,
   ``TERowParallelLinear`` over them
 - :mod:`.spec`              — megatron's TE GPT layer spec on them, the tiny GPT, one linear alone
+- :mod:`.attention`         — megatron's ``TEDotProductAttention`` over TE's ``DotProductAttention``
+  (FusedAttention, context parallelism, THD); :mod:`.context_parallel` its ``p2p`` / ``all_gather``
+  Functions; :mod:`.attention_kernels` the per-tile kernels and TE's THD helpers
 """
 
+from tests.harness.te_model.attention import TEDotProductAttention
 from tests.harness.te_model.behaviour import (
     BEHAVIOURS,
     TE_2_3,
@@ -34,6 +38,7 @@ __all__ = [
     "Behaviour",
     "Holder",
     "TEColumnParallelLinear",
+    "TEDotProductAttention",
     "TELayerNormColumnParallelLinear",
     "TERowParallelLinear",
     "active",

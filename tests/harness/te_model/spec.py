@@ -4,10 +4,11 @@
 (megatron-core 0.16.1 / 0.19.2 ``gpt_layer_specs.py``): no ``input_layernorm`` /
 ``pre_mlp_layernorm`` (``IdentityOp``: the norms are fused into ``linear_qkv`` / ``linear_fc1``,
 ``TELayerNormColumnParallelLinear``), ``linear_proj`` / ``linear_fc2`` ``TERowParallelLinear``.
-The core attention stays megatron's local ``DotProductAttention`` (TE's fused attention, which
-saves its output, is not modelled): ``linear_proj``'s LoRA-A input is new bytes here, as on the
-local spec. :func:`build_te_gpt` builds the tiny GPT (:func:`regather.tools.cpu.models.build_gpt`)
-on it; :func:`te_linear` one ``TELayerNormColumnParallelLinear`` for the routing tests.
+The core attention stays megatron's local ``DotProductAttention`` by default: ``linear_proj``'s
+LoRA-A input is new bytes there, as on the local spec. ``te_attention=True`` puts in the model of
+TE's attention (:mod:`.attention`: context parallelism, THD), which saves its output as TE's does.
+:func:`build_te_gpt` builds the tiny GPT (:func:`regather.tools.cpu.models.build_gpt`) on it;
+:func:`te_linear` one ``TELayerNormColumnParallelLinear`` for the routing tests.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from tests.harness.te_model.behaviour import Behaviour
 from tests.harness.te_model.modules import TELayerNormColumnParallelLinear, TERowParallelLinear
 
 
-def te_layer_spec():
-    """megatron's TE layer spec (dense, no qk-norm) with the model's linears (module doc)."""
+def te_layer_spec(te_attention: bool = False):
+    """megatron's TE layer spec (dense, no qk-norm) with the model's linears (module doc); with
+    ``te_attention``, its core attention too (:class:`~.attention.TEDotProductAttention`: context
+    parallelism, packed sequences)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -34,6 +37,10 @@ def te_layer_spec():
     layer.sharded_state_dict_keys_map = {}
     attention = layer.self_attention.submodules
     attention.linear_qkv, attention.linear_proj = TELayerNormColumnParallelLinear, TERowParallelLinear
+    if te_attention:
+        from tests.harness.te_model.attention import TEDotProductAttention
+
+        attention.core_attention = TEDotProductAttention
     if isinstance(layer.mlp, functools.partial):  # 0.19: MLP.as_mlp_submodule with submodules=
         mlp = dataclasses.replace(layer.mlp.keywords["submodules"], linear_fc1=TELayerNormColumnParallelLinear,
                                   linear_fc2=TERowParallelLinear)
@@ -45,11 +52,12 @@ def te_layer_spec():
 
 
 def build_te_gpt(shape, tp: int, sequence_parallel: bool = True, dtype: torch.dtype = torch.float32,
-                 seed: int = 1234, **kwargs):
+                 seed: int = 1234, te_attention: bool = False, **kwargs):
     """The tiny megatron ``GPTModel`` on :func:`te_layer_spec` (what the behaviour active now runs)."""
     from regather.tools.cpu.models import build_gpt
 
-    return build_gpt(shape, tp, sequence_parallel, dtype, seed, transformer_layer_spec=te_layer_spec(), **kwargs)
+    return build_gpt(shape, tp, sequence_parallel, dtype, seed, transformer_layer_spec=te_layer_spec(te_attention),
+                     **kwargs)
 
 
 def te_config(hidden: int, tp: int, sequence_parallel: bool, dtype=torch.float32, **overrides):

@@ -1,6 +1,6 @@
 """Run megatron-core's tensor + sequence parallel GPT on CPU ranks (gloo).
 
-megatron-core assumes CUDA in three places that matter for a small TP+SP GPT
+megatron-core assumes CUDA in four places that matter for a small TP + CP + SP GPT
 (docs/design.md §6). :func:`enable_megatron_cpu` patches them at run time:
 
 1. ``torch.cuda.current_device()`` returns ``"cpu"``: megatron allocates its
@@ -13,6 +13,9 @@ megatron-core assumes CUDA in three places that matter for a small TP+SP GPT
    ``sequence_parallel=True``; their gradients are TP-partial, and
    :func:`allreduce_sequence_parallel_grads` sums them over the TP group as
    megatron's ``finalize_model_grads`` does.
+4. Context parallelism: ``get_pos_emb_on_this_cp_rank`` (``rope_utils.py``, 0.16.1 and
+   0.19.2:48-70) builds its chunk index in pinned memory and moves it with ``.cuda()``; the CPU one
+   builds it on CPU and selects the same chunks (``r`` and ``2·cp − 1 − r``).
 
 The patches are idempotent and do nothing when CUDA is available.
 """
@@ -37,6 +40,7 @@ def enable_megatron_cpu() -> bool:
     _patch_current_device()
     _patch_rng_tracker()
     patch_torch_norm()
+    _patch_cp_rotary()
     _ENABLED = True
     return True
 
@@ -86,6 +90,23 @@ def _patch_rng_tracker() -> None:
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
+
+
+def _patch_cp_rotary() -> None:
+    """Patch 4: the rotary embedding's context-parallel chunks selected on CPU (module doc)."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, index)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
 def patch_torch_norm() -> None:

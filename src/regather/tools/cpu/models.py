@@ -66,10 +66,12 @@ def init_model_parallel(
     timeout_minutes: float | None = None,
     ep: int = 1,
     etp: int | None = None,
+    cp: int = 1,
 ) -> None:
     """Initialise megatron's parallel state on an existing default group.
 
-    ``tp`` x ``pp`` model parallelism (data parallel over the remaining ranks),
+    ``tp`` x ``cp`` x ``pp`` model parallelism (data parallel over the remaining ranks; ``cp``:
+    megatron's context parallelism, whose attention only the Transformer Engine spec runs),
     ``vpp`` virtual pipeline chunks per stage. ``timeout_minutes`` bounds each
     collective / p2p op of megatron's groups (megatron's default is 30 min; a test
     that can leave one pipeline stage waiting on a failed peer wants less). ``ep`` /
@@ -87,6 +89,8 @@ def init_model_parallel(
         kwargs.update(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
     if timeout_minutes is not None:
         kwargs["distributed_timeout_minutes"] = timeout_minutes
+    if cp > 1:
+        kwargs["context_parallel_size"] = cp
     if ep > 1 or etp is not None:
         from regather.tools.cpu.moe_cpu import enable_moe_cpu
 
@@ -128,6 +132,7 @@ def build_gpt(
     vp_stage: int | None = None,
     init_parallel: bool = True,
     transformer_layer_spec=None,
+    cp: int = 1,
     **config_overrides,
 ):
     """Build a megatron-core ``GPTModel`` (local spec) on the current ranks.
@@ -144,14 +149,15 @@ def build_gpt(
     only reseeds megatron's RNG tracker.
 
     ``transformer_layer_spec``: another layer spec than megatron's local one (the tests' Transformer
-    Engine model builds megatron's TE spec on its CPU stand-ins).
+    Engine model builds megatron's TE spec on its CPU stand-ins). ``cp``: context parallelism (the
+    parallel state and ``context_parallel_size``; megatron's local attention refuses it).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if init_parallel:
-        init_model_parallel(tp, seed)
+        init_model_parallel(tp, seed, cp=cp)
     else:
         from megatron.core import tensor_parallel
 
@@ -166,6 +172,7 @@ def build_gpt(
         num_query_groups=shape.kv_heads,
         ffn_hidden_size=shape.ffn,
         tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
         sequence_parallel=sequence_parallel and tp > 1,
         use_cpu_initialization=True,
         params_dtype=dtype,
