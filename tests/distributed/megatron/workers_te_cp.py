@@ -58,8 +58,11 @@ def build(cp: int, dtype, strategy: str | None, recompute: bool = True, comm_typ
         p.requires_grad_(False)
     if strategy is not None:
         torch.manual_seed(SEED)
+        # every strategy lean (the gather path too): the comparisons are like for like, and the peak is the
+        # lean output path's (docs/design.md §3.7)
         LoRA(target_modules=TARGETS, dim=DIM, alpha=2 * DIM, lora_B_init_method="normal",
-             sequence_parallel_input_strategy=strategy, recompute_adapter_inputs=recompute)(model)
+             sequence_parallel_input_strategy=strategy, recompute_adapter_inputs=recompute,
+             lean_transients=True)(model)
     return model
 
 
@@ -151,7 +154,8 @@ def measured_bytes(model, tokens, position_ids, labels, total_tokens: int) -> di
             del per_token, loss
     finally:
         hook.remove()
-    return {"alive": min(alive), "peak": min(peak)}
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return {"alive": min(alive), "peak": min(peak), "grad_bytes": trainable}  # the weight gradients backward makes
 
 
 def sbhd_batch():
