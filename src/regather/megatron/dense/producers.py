@@ -60,7 +60,7 @@ from regather.core.recompute.graph import Meta, kept_between, modified_in_place,
 from regather.core.recompute.producers import HookedProducer, NormProducer
 from regather.core.recompute.sources import Captured, Kept, Recomputed
 from regather.megatron.dense import te, te_release, te_rule
-from regather.megatron.reasons import CPU_OFFLOADING, layernorm_recomputed, no_recomputable_producer
+from regather.megatron.reasons import CPU_OFFLOADING, TE_FUSED_NORM, layernorm_recomputed, no_recomputable_producer
 
 _NORM_CLASSES = ("LayerNorm", "RMSNorm", "FusedLayerNorm", "L2Norm")
 
@@ -89,7 +89,7 @@ class TELayerNormProducer(HookedProducer):
     unsupported_reason`, on every forward), and a forward where TE's saved copy cannot be found keeps
     its input."""
 
-    name = "the fused LayerNorm of the TE base"
+    name = TE_FUSED_NORM
 
     def __init__(self, module: nn.Module, target: str | None = None):
         super().__init__(module)

@@ -102,13 +102,18 @@ class ReleaseFacts:
     userbuffers: tuple[str, ...] = ()  # the userbuffers flags set (or tp_comm_overlap)
 
 
+#: how every refusal of :func:`release_reason` starts: the adapter's input is TE's own ``ln_out``, which stays
+KEPT = "TE's ln_out is kept"
+
+
 def release_reason(facts: ReleaseFacts) -> str | None:
-    """Why TE's saved ``ln_out`` cannot be released in a run with ``facts``, or None (the module doc)."""
+    """Why TE's saved ``ln_out`` cannot be released in a run with ``facts`` (``"TE's ln_out is kept: <why>"``),
+    or None (the module doc)."""
     why = _configured(facts) or _moment(facts) or version_reason(facts.version)
     if why is None and facts.userbuffers and version_tuple(facts.version) in UB_READS_LN_OUT:
         why = (f"userbuffers ({', '.join(facts.userbuffers)}) on Transformer Engine {facts.version}: its "
                "backward copies the LayerNorm output it keeps into its buffer (ub_bulk_dgrad)")
-    return why
+    return None if why is None else f"{KEPT}: {why}"
 
 
 def _configured(facts: ReleaseFacts) -> str | None:
