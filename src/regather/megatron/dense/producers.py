@@ -85,9 +85,9 @@ class TELayerNormProducer(HookedProducer):
     the adapter reads its (local) LayerNorm output. TE keeps its pre-norm input (``inputmat``),
     and keeps the returned output too unless it is released: a forward whose adapters all rebuild
     it frees TE's copy (:mod:`regather.megatron.dense.te_release`), so this producer is refused
-    wherever that cannot be done safely (its ``static_reason``: :func:`regather.megatron.dense.te_rule.
-    unsupported_reason`, on every forward), and a forward where TE's saved copy cannot be found keeps
-    its input."""
+    wherever that cannot be done safely (its ``static_reason``, on every forward:
+    :func:`regather.megatron.dense.te_rule.unsupported_reason`), and a forward where TE's saved copy
+    cannot be found keeps its input."""
 
     name = TE_FUSED_NORM
 
