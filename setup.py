@@ -4,20 +4,26 @@ All package metadata lives in ``pyproject.toml``; this file only adds
 ``ext_modules`` when asked to, so a plain (CPU) ``pip install -e .`` never
 imports torch here and never compiles anything.
 
-Build the extension (needs a CUDA build of torch and nvcc / CUDA_HOME; torch
+Build the extension (needs a CUDA build of torch and a CUDA toolkit; torch
 must be importable, hence no build isolation)::
 
-    REGATHER_BUILD_EXT=1 pip install --no-build-isolation --no-deps -e .
+    REGATHER_BUILD_EXT=1 pip install --no-build-isolation -e .
 
-``TORCH_CUDA_ARCH_LIST`` (e.g. ``"9.0"``) selects the targets as usual. If
-``REGATHER_BUILD_EXT=1`` is set but torch has no CUDA or no CUDA toolkit is
-found, the build stops with an error saying which (an explicit request should
-not silently produce a package without the extension).
+The toolkit is found by one rule, ``csrc/cuda_toolkit.py`` (``.ci/build-ext.sh``
+uses the same): ``$CUDA_HOME`` if set, else the first of ``/usr/local/cuda`` and
+the folder above the first ``nvcc`` on ``PATH`` with ``bin/nvcc`` and
+``include/cuda_runtime_api.h``; torch is handed that toolkit (its own guess takes
+an ``nvcc`` wrapper script's folder for one). ``TORCH_CUDA_ARCH_LIST`` (e.g.
+``"9.0"``) selects the targets as usual. If ``REGATHER_BUILD_EXT=1`` is set but
+torch has no CUDA or no CUDA toolkit is found, the build stops with an error
+saying which (an explicit request should not silently produce a package without
+the extension).
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import sys
 
@@ -87,12 +93,26 @@ def _cublas_link_args(cuda_home: str) -> tuple[list[str], list[str], list[str]]:
     return [], ["cublas"], []  # let the linker search its default paths
 
 
+def _cuda_home() -> str:
+    """The toolkit by ``csrc/cuda_toolkit.py``'s rule (loaded by path: setup.py imports no package), or exit."""
+    spec = importlib.util.spec_from_file_location(
+        "regather_cuda_toolkit", os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cuda_toolkit.py"))
+    rule = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rule)
+    try:
+        return rule.find_cuda_home()
+    except rule.NoToolkit as exc:
+        sys.exit(f"REGATHER_BUILD_EXT=1 but {exc}")
+
+
 def _ext_modules() -> tuple[list, dict]:
     if os.environ.get("REGATHER_BUILD_EXT", "").strip().lower() not in _TRUTHY:
         return [], {}
+    cuda_home = _cuda_home()
+    os.environ["CUDA_HOME"] = cuda_home  # torch reads it when cpp_extension is first imported
     try:
         import torch
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+        from torch.utils import cpp_extension
     except ImportError as exc:
         sys.exit(
             f"REGATHER_BUILD_EXT=1 but torch is not importable ({exc}); "
@@ -100,15 +120,15 @@ def _ext_modules() -> tuple[list, dict]:
         )
     if torch.version.cuda is None:
         sys.exit(f"REGATHER_BUILD_EXT=1 but torch {torch.__version__} has no CUDA support")
-    if CUDA_HOME is None:
-        sys.exit("REGATHER_BUILD_EXT=1 but no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
-    lib_dirs, libs, link_args = _cublas_link_args(CUDA_HOME)
+    cpp_extension.CUDA_HOME = cuda_home  # imported before with another guess: the rule's toolkit all the same
+    BuildExtension, CUDAExtension = cpp_extension.BuildExtension, cpp_extension.CUDAExtension
+    lib_dirs, libs, link_args = _cublas_link_args(cuda_home)
     ext = CUDAExtension(
         name="regather._wgrad_ext",
         sources=["csrc/wgrad_ext.cpp"],
         library_dirs=lib_dirs,
         libraries=libs,
-        extra_compile_args={"cxx": ["-O3", *_wheel_include_args(CUDA_HOME)], "nvcc": ["-O3"]},
+        extra_compile_args={"cxx": ["-O3", *_wheel_include_args(cuda_home)], "nvcc": ["-O3"]},
         extra_link_args=link_args,
     )
     return [ext], {"build_ext": BuildExtension}

@@ -8,9 +8,10 @@
 #
 # VENV_DIR: a CUDA build of torch (torch.version.cuda set) and setuptools>=77. OUT_DIR: git-ignored; gets
 # lib/regather/_wgrad_ext*.so, tmp/ (objects) and build.json (what it was built with, read by the test).
-# The toolkit: $CUDA_HOME if set (an error if it is not one), else the first of /usr/local/cuda and the folder
-# above nvcc's on PATH with bin/nvcc and include/cuda_runtime_api.h (torch's own guess, the folder above
-# the first nvcc on PATH, is /usr/local here, where /usr/local/bin/nvcc is a wrapper script). Where it lacks the CUDA math libraries' headers (cuBLAS,
+# The toolkit: csrc/cuda_toolkit.py's rule, the one setup.py uses ($CUDA_HOME if set, an error if it is not
+# one; else the first of /usr/local/cuda and the folder above nvcc's on PATH with bin/nvcc and
+# include/cuda_runtime_api.h: torch's own guess, the folder above the first nvcc on PATH, is /usr/local
+# here, where /usr/local/bin/nvcc is a wrapper script). Where it lacks the CUDA math libraries' headers (cuBLAS,
 # cuSPARSE, ...: an nvcc + cudart toolkit like this machine's), setup.py takes them from the nvidia
 # wheels torch installed (nvidia/cu13/include).
 # Exit status: 0 built (or up to date: OUT_DIR/.stamp holds a sha256 of the sources, setup.py, VENV_DIR's
@@ -29,18 +30,15 @@ OUT=$2
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-2}
 
 [ -x "$PY" ] || { echo "$0: no Python in $1" >&2; exit 2; }
-is_toolkit() { [ -n "$1" ] && [ -x "$1/bin/nvcc" ] && [ -f "$1/include/cuda_runtime_api.h" ]; }
-cuda_home=""
-if [ -n "${CUDA_HOME:-}" ]; then  # asked for: that one or an error, never another
-    is_toolkit "$CUDA_HOME" || { echo "$0: CUDA_HOME=$CUDA_HOME has no bin/nvcc or include/cuda_runtime_api.h" >&2; exit 2; }
-    cuda_home=$CUDA_HOME
-else
-    nvcc_on_path=$(command -v nvcc || true)
-    for c in /usr/local/cuda "${nvcc_on_path:+$(dirname "$(dirname "$nvcc_on_path")")}"; do
-        if is_toolkit "$c"; then cuda_home=$c; break; fi
-    done
-fi
-[ -n "$cuda_home" ] || { echo "SKIP: no CUDA toolkit (nvcc and include/cuda_runtime_api.h; set CUDA_HOME): regather._wgrad_ext is not built"; exit $SKIP_STATUS; }
+rc=0
+why_file=$(mktemp)
+cuda_home=$("$PY" csrc/cuda_toolkit.py 2>"$why_file") || rc=$?  # exit 3: none found; 2: CUDA_HOME is not one
+why=$(cat "$why_file"); rm -f "$why_file"
+case $rc in
+    0) ;;
+    3) echo "SKIP: $why: regather._wgrad_ext is not built"; exit $SKIP_STATUS ;;
+    *) echo "$0: $why" >&2; exit 2 ;;
+esac
 export CUDA_HOME=$cuda_home
 torch_cuda=$("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda or "")')
 case "$torch_cuda" in

@@ -22,7 +22,7 @@ Writes ``te_lora.json`` and ``te_lora.md`` (``--out``, default ``$OUT``); device
 ``kernels.json`` (key ``te_lora``) and ``kernels.md`` and puts ``te_lora: <verdict>`` into
 ``summary.txt``. Verdicts: ``right gradients; recompute: rank-r bytes only`` (or what differs),
 ``not available: <why>``, ``error: <exception>``. Exit status 0 unless the check itself raised. The
-dry run runs the same code on the CPU model of TE (TE >= 2.4 behaviour, read at v2.18): it exercises
+dry run runs the same code on the CPU model of TE (its TE 2.8 - 2.20 behaviour): it exercises
 every line except TE's and proves nothing about TE.
 """
 
@@ -207,13 +207,13 @@ def check(cpu_dry_run: bool, rendezvous: Path) -> dict:
     else:
         report["verdict"] = f"not available: {reason}"
     if cpu_dry_run:
-        from tests.harness.te_model import TE_2_18, te_behaviour
+        from tests.harness.te_model import TE_2_8, te_behaviour
 
         from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
         enable_megatron_cpu()
         group = one_rank_group("gloo", rendezvous)
-        with te_behaviour(TE_2_18):
+        with te_behaviour(TE_2_8):
             report["te_model"] = run_all(model_te_base, group, "cpu")
     return report
 

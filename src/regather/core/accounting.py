@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from regather.core.saved_hooks import transparent_pack_hook
 from regather.core.unwrap import plain, wrapper_types
 
 ADAPTER_INPUT = "adapter_input"
@@ -96,6 +97,7 @@ class SavedBytes:
             return set()
         return {_storage_key(p)[0] for p in list(self._model.parameters()) + list(self._model.buffers())}
 
+    @transparent_pack_hook  # returns what it is given: producers may read saved tensors under it
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and plain(t).device.type != "meta":
             key, nbytes = _storage_key(t)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from regather.core.decision import Reason, expected
+from regather.core.saved_hooks import top_saved_tensors_hook
 
 EVAL = expected("module is in eval mode")
 NO_GRAD = expected("autograd is disabled (torch.no_grad / inference_mode)")
@@ -30,20 +31,8 @@ def in_activation_checkpoint() -> bool:
     whose recompute must save exactly what the first forward saved)."""
     if torch._C._current_graph_task_id() != -1:
         return True
-    top = _top_saved_tensors_hook()
+    top = top_saved_tensors_hook()
     return top is not None and getattr(top, "__module__", "") == "torch.utils.checkpoint"
-
-
-def _top_saved_tensors_hook():
-    """The pack hook of the innermost ``saved_tensors_hooks`` context, if torch exposes it."""
-    getter = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if getter is None:
-        return None
-    try:
-        hooks = getter(False)
-    except (TypeError, RuntimeError):
-        return None
-    return hooks[0] if hooks else None
 
 
 @dataclass(frozen=True)

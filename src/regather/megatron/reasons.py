@@ -18,6 +18,9 @@ ALL_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ELIGIBLE_BASES = ("linear_qkv", "linear_fc1")
 #: The norm whose output each eligible base reads (what recompute_adapter_inputs reruns).
 NORM_OF = {"linear_qkv": "input_layernorm", "linear_fc1": "pre_mlp_layernorm"}
+#: The producer of a Transformer Engine ``linear_qkv`` / ``linear_fc1`` adapter's input: the norm TE fuses into
+#: ``TELayerNormColumnParallelLinear`` (``regather.megatron.dense.producers.TELayerNormProducer``).
+TE_FUSED_NORM = "the fused LayerNorm of the TE base"
 
 IN_CHECKPOINT = expected("running inside activation checkpointing (its recompute must save what forward saved)")
 CPU_OFFLOADING = "CPU activation offloading is on (cpu_offloading=True)"

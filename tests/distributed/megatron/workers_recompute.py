@@ -539,7 +539,7 @@ def run_many(rank: int, world: int, setups: dict, te: bool = False) -> dict:
 
 def te_case(rank, t, strategy, recompute, *, behaviour, normalization="LayerNorm", zero_centered_gamma=False,
             x_grad=True, eps=1e-5, s=8, b=2, h=16, o=24, r=4, sp=True) -> dict:
-    """LoRA on the TE model's LayerNorm-fused base (``behaviour``: TE <= 2.3 or >= 2.4), with and
+    """LoRA on the TE model's LayerNorm-fused base (``behaviour``: TE <= 2.3 or 2.8 - 2.20), with and
     without recompute (``sp=False``: the whole sequence on every rank, the replicated path). Bytes:
     saved-tensor hooks over the first forward (they count TE's ``ln_out`` when it is saved, released
     or not) and the allocator's, alive after the later forwards (the smallest of three,
@@ -598,7 +598,7 @@ TE_NORMS = {"layernorm": {}, "rmsnorm": {"normalization": "RMSNorm"},
 def run_te(rank, t) -> dict:
     """Every TE case on both behaviours (keys ``(behaviour, norm, strategy, recompute)``)."""
     out = {}
-    for behaviour in ("te<=2.3", "te>=2.4"):
+    for behaviour in ("te<=2.3", "te2.8-2.20"):
         for norm, kw in TE_NORMS.items():
             for strategy in ("gather", "regather", "lowrank"):
                 for rc in (False, True):

@@ -1,7 +1,7 @@
 """Rank bodies for the Transformer Engine tests: LoRA on the TE model's ``TELayerNormColumnParallelLinear``
 (tests.harness.te_model) on gloo ranks, against float64 computed from the full tensors.
 
-One case = a TE behaviour (TE <= 2.3 / TE >= 2.4), a strategy, a layout (TP2 + SP, TP2 with SP off,
+One case = a TE behaviour (TE <= 2.3 / TE 2.8 - 2.20), a strategy, a layout (TP2 + SP, TP2 with SP off,
 TP1: each rank on a one-rank group of its own) and recompute off / on. Per case and rank: the output,
 the input gradient, LoRA-A / LoRA-B gradients, in fp32, and what the same maths gives in fp32 and in
 fp64 from the full tensors (``ref32`` / ``ref64``: every rank computes them from the full weights,

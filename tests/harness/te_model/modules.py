@@ -11,7 +11,11 @@
   ``layer_norm_weight`` / ``layer_norm_bias`` (ones / zeros; zeros with zero-centered gamma),
   ``return_layernorm_output`` / ``return_layernorm_output_gathered`` (read on every forward),
   ``fsdp_group`` (None), the userbuffers flags (all False), ``fp8`` (False);
-- TE's module forward (``LayerNormLinear.forward``, v2.18:1646-1808): the autograd Function under
+- ``weight_names`` (``["weight"]``: TE's list of the weights its forward concatenates, LL 2.20.2:1486-1506);
+- TE's ``prepare_forward`` (``module/base.py``): the activation dtype (torch's autocast dtype under
+  autocast — the CPU one stands for TE's GPU autocast here — else the input's, which must match the
+  parameters', 2.20.2:1482-1499) and ``inp.contiguous()`` of a non-contiguous input (1639-1640);
+- TE's module forward (``LayerNormLinear.forward``, 2.20.2:1675-1836): the autograd Function under
   grad, its ``forward`` with no ``ctx`` without; ``(out, ln_out)`` / ``(out, bias, ln_out)``.
 
 Weights are initialised as megatron does with ``use_cpu_initialization`` (the full master weight,
@@ -74,6 +78,7 @@ class _TEBase(nn.Module):
                      "ub_bulk_wgrad", "ub_bulk_dgrad"):
             setattr(self, flag, False)
         self.behaviour = behaviour or active()
+        self.weight_names = ["weight"]
         t = self.tp_size
         self.in_features = input_size // t if parallel_mode == "row" else input_size
         self.out_features = output_size // t if parallel_mode == "column" else output_size
@@ -93,6 +98,20 @@ class _TEBase(nn.Module):
             init_method(self.weight)
         size = self.out_features if self.parallel_mode == "column" else output_size
         self.bias = nn.Parameter(torch.zeros(size, dtype=dtype)) if self.use_bias else None
+
+    def prepare_forward(self, inp: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """TE's ``prepare_forward`` as far as the model goes: ``(input, activation dtype)`` (module doc)."""
+        if torch.is_autocast_enabled("cpu"):  # TE: torch.is_autocast_enabled() (its GPU autocast)
+            dtype = torch.get_autocast_dtype("cpu")
+        else:
+            dtype = inp.dtype
+            wrong = [(n, p.dtype) for n, p in self.named_parameters() if p.dtype != dtype]
+            if wrong:
+                raise TypeError("Data types for parameters must match when outside of autocasted region. "
+                                f"Found input dtype: {dtype} and {wrong[0][0]!r} dtype: {wrong[0][1]}")
+        if not inp.is_contiguous():
+            inp = inp.contiguous()
+        return inp, dtype
 
     def _megatron_return(self, out):
         """megatron's wrapper: TE's tuple with ``te_return_bias``, else ``(out, None)``."""
@@ -125,16 +144,17 @@ class TELayerNormColumnParallelLinear(_TEBase):
 
     def forward(self, x):
         grad = torch.is_grad_enabled()
+        x, dtype = self.prepare_forward(x)
         args = LNLinearArgs(
             eps=self.eps, tp_group=self.tp_group, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel,
             parallel_mode=self.parallel_mode, return_layernorm_output=self.return_layernorm_output,
             return_layernorm_output_gathered=self.return_layernorm_output_gathered, is_grad_enabled=grad,
             zero_centered_gamma=self.zero_centered_gamma, normalization=self.normalization,
-            behaviour=self.behaviour)
+            behaviour=self.behaviour, activation_dtype=dtype)
         bias = self.bias if self.apply_bias else None
         fn = LayerNormLinearFunction.apply if grad else (lambda *a: LayerNormLinearFunction.forward(None, *a))
         out, ln_out = fn(x, self.layer_norm_weight, self.layer_norm_bias, self.weight, bias, args)
-        if self.return_bias:  # TE's LayerNormLinear.forward, v2.18:1802-1808
+        if self.return_bias:  # TE's LayerNormLinear.forward, 2.20.2:1830-1836
             te_out = (out, self.bias, ln_out) if self.return_layernorm_output else (out, self.bias)
         else:
             te_out = (out, ln_out) if self.return_layernorm_output else out
@@ -144,8 +164,9 @@ class TELayerNormColumnParallelLinear(_TEBase):
 class _TELinear(_TEBase):
     def forward(self, x):
         grad = torch.is_grad_enabled()
+        x, dtype = self.prepare_forward(x)
         args = LinearArgs(tp_group=self.tp_group, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel,
-                          parallel_mode=self.parallel_mode, is_grad_enabled=grad)
+                          parallel_mode=self.parallel_mode, is_grad_enabled=grad, activation_dtype=dtype)
         bias = self.bias if self.apply_bias else None
         out = (LinearFunction.apply if grad else (lambda *a: LinearFunction.forward(None, *a)))(x, self.weight, bias,
                                                                                               args)

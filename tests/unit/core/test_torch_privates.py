@@ -57,8 +57,8 @@ def test_functional_collectives_used_by_the_traced_paths_and_counted_by_accounti
 
 
 def test_autograd_state_that_moment_reads():
-    """``core.moment``: the running graph task (-1 outside a backward) and the innermost
-    saved-tensors hooks (``None`` when none is set; the pack hook of the innermost context)."""
+    """``core.moment`` and ``core.saved_hooks``: the running graph task (-1 outside a backward) and the
+    innermost saved-tensors hooks (``None`` when none is set; the pack hook of the innermost context)."""
     assert torch._C._current_graph_task_id() == -1
     getter = torch._C._autograd._top_saved_tensors_default_hooks
     assert not getter(False)

@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from tests.harness.te_model import (
     BEHAVIOURS,
     TE_2_3,
-    TE_2_18,
+    TE_2_4,
+    TE_2_8,
+    DistributedWeight,
     Holder,
     TEColumnParallelLinear,
     TELayerNormColumnParallelLinear,
@@ -35,7 +37,7 @@ from tests.harness.te_model import (
 from torch import nn
 
 from regather.core.allocated import AllocatedBytes
-from regather.megatron.dense import te, te_release
+from regather.megatron.dense import te, te_release, te_rule
 
 TE_SKIP = ("transformer_engine is not installed: it is never installed on CPU machines "
            "(docs/design.md §6); run on a CUDA machine with Transformer Engine")
@@ -220,52 +222,214 @@ def test_model_adds_the_local_layernorm_output_gradient(behaviour):
     torch.testing.assert_close(xt.grad.double(), xr.grad, rtol=1e-5, atol=1e-5)
 
 
+# ---------------------------------------------------------------- the model: TE's copies and backward frees
+
+
+@pytest.mark.parametrize("behaviour", BEHAVIOUR_NAMES)
+def test_model_backward_empties_what_te_frees(behaviour):
+    """What TE's backward empties (``clear_tensor_data``): mu / rsigma after the norm backward
+    (2.20.2:1164-1165, v2.3:842-843); with a trainable weight, the ln_out it saved after the weight
+    gradient unless it was returned (2.20.2:1093-1102; v2.3-v2.7 clear ``ln_out_total``, the same
+    tensor without SP, v2.3:786-789). The saved objects are watched through a hook that hands back
+    what it was given."""
+    for returned in (False, True):
+        base = te_linear(16, 24, tp_group=None, sequence_parallel=False, behaviour=BEHAVIOURS[behaviour])
+        base.return_layernorm_output = returned
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            result = base(torch.randn(4, 2, 16, requires_grad=True))[0]
+        out = result[0] if returned else result
+        node = out.grad_fn
+        ln_out, mu, rsigma = (node.saved_tensors[i] for i in (5, 6, 7))  # 2.20.2:526-536's order
+        assert ln_out.numel() == mu.numel() * 16 == 8 * 16 and rsigma.numel() == 8
+        out.sum().backward()
+        assert (mu.numel(), rsigma.numel()) == (0, 0)
+        assert ln_out.numel() == (8 * 16 if returned else 0), (behaviour, returned)
+
+
+def test_model_copies_under_autocast_and_for_a_non_contiguous_input():
+    """TE's copies: under autocast ``inputmat`` and the norm weight are cast to the activation dtype
+    (2.20.2:188-191: copies, not the input's storage), and ``prepare_forward`` makes a non-contiguous
+    input contiguous (base.py 2.20.2:1639-1640); outside autocast a dtype unlike the parameters' is
+    TE's TypeError (2.20.2:1493-1499)."""
+    base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False))
+    x = torch.randn(4, 2, 16, requires_grad=True)
+    _, _, ln = te.call_with_layernorm_output(base, x)
+    inputmat, ln_weight = ln.grad_fn.saved_tensors[0], ln.grad_fn.saved_tensors[4]
+    assert inputmat.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert ln_weight.untyped_storage().data_ptr() == base.layer_norm_weight.untyped_storage().data_ptr()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _, ln = te.call_with_layernorm_output(base, x)
+    inputmat, ln_weight = ln.grad_fn.saved_tensors[0], ln.grad_fn.saved_tensors[4]
+    assert (out.dtype, ln.dtype, inputmat.dtype, ln_weight.dtype) == (torch.bfloat16,) * 4
+    assert inputmat.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    xt = torch.randn(2, 4, 16).transpose(0, 1).requires_grad_()
+    _, _, ln = te.call_with_layernorm_output(base, xt)
+    assert ln.grad_fn.saved_tensors[0].untyped_storage().data_ptr() != xt.untyped_storage().data_ptr()
+    with pytest.raises(TypeError, match="Data types for parameters must match"):
+        base(x.double())
+
+
 # ---------------------------------------------------------------- releasing TE's ln_out: when, and when not
 
 
 def test_version_range_read():
-    assert te_release.version_reason("2.3.0") is None and te_release.version_reason("2.18.0+e7c550c5") is None
-    assert te_release.version_reason("2.9.0.dev0") is None
-    assert "outside the versions read (2.3 to 2.18)" in te_release.version_reason("2.19.0")
-    assert "outside the versions read" in te_release.version_reason("2.2.1")
-    assert "outside the versions read" in te_release.version_reason("main")
-    assert "cannot be read" in te_release.version_reason(None)
+    for read in ("2.3.0", "2.7.0", "2.9.0.dev0", "2.18.0+e7c550c5", "2.19.0", "2.20.2"):
+        assert te_rule.version_reason(read) is None, read
+    assert "outside the versions read (2.3 to 2.20)" in te_rule.version_reason("2.21.0")
+    assert "outside the versions read" in te_rule.version_reason("2.2.1")
+    assert "outside the versions read" in te_rule.version_reason("main")
+    assert "cannot be read" in te_rule.version_reason(None)
+
+
+def _extra_weight(base):
+    """A second weight TE names (``weight_names``: TE's ``parameters_split``), trainable."""
+    base.extra_weight = nn.Parameter(torch.zeros(2, 16))
+    base.weight_names = ["weight", "extra_weight"]
+
+
+def _distributed_weight(base):
+    base.weight = DistributedWeight(base.weight.detach().clone(), requires_grad=False)
 
 
 @pytest.mark.parametrize("change,expect", [
-    (lambda b: b.weight.requires_grad_(True), "weight is trainable"),
+    (lambda b: b.weight.requires_grad_(True), "weight 'weight' is trainable"),
+    (_extra_weight, "weight 'extra_weight' is trainable"),
+    (_distributed_weight, "weight 'weight' is a distributed weight (GTP)"),
     (lambda b: setattr(b.config, "fp8", "hybrid"), "fp8 is on: TE saves a quantized copy"),
     (lambda b: setattr(b, "fp8", True), "fp8 is on"),
-    (lambda b: setattr(b, "fsdp_group", object()), "TE's own FSDP (fsdp_group)"),
-    (lambda b: setattr(b.config, "cpu_offloading", True), "CPU offload"),
-    (lambda b: setattr(b, "ub_bulk_dgrad", True), "userbuffers (ub_bulk_dgrad)"),
-    (lambda b: setattr(b.config, "tp_comm_overlap", True), "userbuffers (tp_comm_overlap)"),
+    (lambda b: setattr(b, "fsdp_group", object()), "TE's own FSDP (fsdp_group): with a frozen weight TE does not "
+                                                   "scatter"),
+    (lambda b: setattr(b.config, "cpu_offloading", True), "CPU offload (cpu_offloading=True)"),
+    (lambda b: (setattr(b.config, "fine_grained_activation_offloading", True),
+                setattr(b.config, "offload_modules", ["core_attn", "qkv_linear"])),
+     "fine-grained activation offloading covers the TE base (offload_modules ['qkv_linear'])"),
 ])
-def test_release_refused_where_te_reads_or_copies_its_layernorm_output(change, expect):
+def test_release_refused_where_te_reads_or_something_holds_its_layernorm_output(change, expect):
     base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False))
-    assert te_release.unsupported_reason(base, "2.18.0") is None
+    assert te_rule.unsupported_reason(base, "2.20.2", "linear_qkv") is None
     change(base)
-    assert expect in te_release.unsupported_reason(base, "2.18.0")
+    assert expect in te_rule.unsupported_reason(base, "2.20.2", "linear_qkv")
+
+
+def test_fine_grained_offloading_refuses_only_the_base_it_covers():
+    """megatron wraps ``linear_qkv``'s forward in the ``qkv_linear`` offload context (attention.py);
+    nothing wraps a TE ``linear_fc1`` (``mlp_norm`` wraps ``pre_mlp_layernorm``, an IdentityOp on the TE spec)."""
+    base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False))
+    base.config.fine_grained_activation_offloading, base.config.offload_modules = True, ["qkv_linear"]
+    assert "offload_modules ['qkv_linear']" in te_rule.unsupported_reason(base, "2.20.2", "linear_qkv")
+    assert te_rule.unsupported_reason(base, "2.20.2", "linear_fc1") is None
+
+
+def test_userbuffers_refused_only_where_te_copies_the_layernorm_output():
+    """TE 2.3's backward copies the saved ln_out into the userbuffers buffer whatever the weight
+    (v2.3:578); from 2.4 that copy sits under ``ln_out_needs_gather`` (v2.4:632-643), false when frozen."""
+    base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False))
+    base.ub_bulk_dgrad = True
+    assert "userbuffers (ub_bulk_dgrad) on Transformer Engine 2.3.0" in te_rule.unsupported_reason(base, "2.3.0")
+    for version in ("2.4.0", "2.7.0", "2.18.0", "2.20.2"):
+        assert te_rule.unsupported_reason(base, version) is None, version
+    base.ub_bulk_dgrad, base.config.tp_comm_overlap = False, True
+    assert "userbuffers (tp_comm_overlap)" in te_rule.unsupported_reason(base, "2.3.0")
+    assert te_rule.unsupported_reason(base, "2.20.2") is None
 
 
 def test_release_refused_under_backward_override(monkeypatch):
     base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False))
     monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "dequantized")
-    assert "NVTE_BACKWARD_OVERRIDE='dequantized'" in te_release.unsupported_reason(base, "2.18.0")
+    assert "NVTE_BACKWARD_OVERRIDE='dequantized'" in te_rule.unsupported_reason(base, "2.20.2")
 
 
-def test_release_finds_nothing_under_a_copying_hook_and_respects_do_not_clear():
+#: TE's module-level state as TE would answer it (read from sys.modules: TE is never imported here)
+TE_STATE = {
+    "debug": ("transformer_engine.debug.pytorch.debug_state",
+              types.SimpleNamespace(TEDebugState=types.SimpleNamespace(debug_enabled=True)),
+              "Transformer Engine's debug mode is on (TEDebugState.debug_enabled)"),
+    "offload": ("transformer_engine.pytorch.cpu_offload", types.SimpleNamespace(is_cpu_offload_enabled=lambda: True),
+                "Transformer Engine's CPU offload is enabled (is_cpu_offload_enabled())"),
+}
+
+
+@pytest.mark.parametrize("state", sorted(TE_STATE))
+def test_te_debug_mode_and_offload_refuse_where_the_adapter_runs(single_rank_group, monkeypatch, state):
+    """TE's debug mode and its CPU offload are read from TE's own module state on every forward: the
+    adapter keeps its input with the reason, TE's copy stays, the results are those without recompute."""
+    from regather import LoRA
+
+    module, value, expect = TE_STATE[state]
+    models = {}
+    for rc in (False, True):
+        models[rc] = Holder(_frozen(te_linear(16, 24, tp_group=single_rank_group, sequence_parallel=False)))
+        torch.manual_seed(0)
+        LoRA(target_modules=["linear_qkv"], dim=4, lora_B_init_method="normal", recompute_adapter_inputs=rc)(models[rc])
+    monkeypatch.setitem(sys.modules, module, value)
+    x = torch.randn(8, 2, 16, requires_grad=True)
+    got = {}
+    for rc, model in models.items():
+        x.grad = None
+        y, _ = model(x)
+        y.square().sum().backward()
+        got[rc] = (y.detach(), x.grad.clone(), model.linear_qkv.adapter.linear_in.weight.grad.clone())
+    assert expect in str(models[True].linear_qkv.adapter.last_decision)
+    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
+    _, _, ln = te.call_with_layernorm_output(models[True].linear_qkv.to_wrap, x)
+    assert te_release.release(ln) == expect + (": its debug quantizer may save the LayerNorm output inside its own "
+                                               "tensor" if state == "debug" else ": it offloads the LayerNorm output "
+                                               "it keeps")
+
+
+def test_a_saved_tensor_hook_refuses_before_anything_is_read(single_rank_group):
+    """An offload hook pops what it stored when unpacked (megatron's fine-grained activation offloading,
+    ``fine_grained_activation_offload.py`` 0.16.1:356-358): reading TE's node in forward would take the
+    tensors from under its backward. Under such a hook the adapter keeps its input with the reason,
+    :func:`te_release.release` reads nothing, and backward runs on what the hook kept, exactly as
+    without recompute."""
+    from regather import LoRA
+
+    store = {}
+
+    def push(t):
+        store[len(store)] = t
+        return len(store) - 1
+
+    got = {}
+    for rc in (False, True):
+        model = Holder(_frozen(te_linear(16, 24, tp_group=single_rank_group, sequence_parallel=False)))
+        torch.manual_seed(0)
+        LoRA(target_modules=["linear_qkv"], dim=4, lora_B_init_method="normal", recompute_adapter_inputs=rc)(model)
+        x = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        store.clear()
+        with torch.autograd.graph.saved_tensors_hooks(push, store.pop):
+            y, _ = model(x)
+            _, _, ln = te.call_with_layernorm_output(model.linear_qkv.to_wrap, x)
+            kept = len(store)
+            why = te_release.release(ln)
+            assert len(store) == kept  # nothing unpacked
+        y.square().sum().backward()
+        got[rc] = (y.detach(), x.grad, model.linear_qkv.adapter.linear_in.weight.grad)
+        if rc:
+            decision = str(model.linear_qkv.adapter.last_decision)
+            assert "a saved-tensor hook is active" in decision and ".push)" in decision
+            assert why.startswith("a saved-tensor hook is active")
+    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
+
+
+def test_release_under_regathers_own_byte_count_and_respects_do_not_clear():
+    """regather's saved-tensor count hands back what it was given (marked transparent): the release
+    runs under it; a tensor TE marked ``_do_not_clear`` is left alone; no node, nothing to release."""
+    from regather.core.accounting import SavedBytes
+
     base = _frozen(te_linear(16, 24, tp_group=None, sequence_parallel=False))
     x = torch.randn(4, 2, 16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):  # e.g. an offload hook
+    with SavedBytes():
         _, _, ln = te.call_with_layernorm_output(base, x)
-    assert "saved no tensor on the storage" in te_release.release(ln)
+        assert te_release.release(ln) is None
+    assert te_release.saved_layernorm_output(ln) == (
+        "TE's autograd node saved no tensor on the storage of the LayerNorm output it returned (a copy: fp8, or a "
+        "saved-tensor hook)")  # released: its saved tensor is empty
     _, _, ln = te.call_with_layernorm_output(base, x)
     te_release.saved_layernorm_output(ln)[1]._do_not_clear = True
     assert "_do_not_clear" in te_release.release(ln)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.view_as(t)):  # unpacks a new object
-        _, _, ln = te.call_with_layernorm_output(base, x)
-    assert "nothing was released" in te_release.release(ln)
     with torch.no_grad():
         _, _, ln = te.call_with_layernorm_output(base, x)
     assert "no autograd node" in te_release.release(ln)
@@ -325,46 +489,84 @@ def test_te_column_parallel_base_uses_plain_path(single_rank_group):
     assert out.shape == (3, 2, 24)
 
 
-@pytest.mark.parametrize("behaviour", [TE_2_3, TE_2_18], ids=str)
+@pytest.mark.parametrize("behaviour", [TE_2_3, TE_2_4, TE_2_8], ids=str)
 def test_recompute_releases_te_copy_and_logs_a_refusal_once(single_rank_group, behaviour, caplog):
-    """TP=1, recompute: LoRA over the frozen base is its rank-r tensor alone (allocator bytes, the
-    second forward: the first allocates nothing that stays but it is the first-rebuild check's);
-    where the version is outside the range read the input is kept, with the reason, logged once."""
+    """TP=1, recompute, at every behaviour the model has (TE <= 2.3, 2.4 - 2.7, 2.8 - 2.20): LoRA over
+    the frozen base is its rank-r tensor alone (allocator bytes, the second forward: the first
+    allocates nothing that stays but it is the first-rebuild check's), and the output and every
+    gradient are those without recompute bit for bit; where the version is outside the range read
+    (2.21.0) the input is kept, with the reason, logged once."""
     from regather import LoRA, decisions
 
     s, b, h, o, r = 64, 2, 32, 48, 4
-    alive = {}
+    alive, got = {}, {}
     with te_behaviour(behaviour):
         for variant in ("frozen", "lora", "lora-rc"):
             base = _frozen(te_linear(h, o, tp_group=single_rank_group, sequence_parallel=False))
             model = nn.Module()
             model.linear_qkv = base
             if variant != "frozen":
+                torch.manual_seed(0)
                 LoRA(target_modules=["linear_qkv"], dim=r, alpha=2 * r, lora_B_init_method="normal",
                      recompute_adapter_inputs=variant == "lora-rc")(model)
-            x = torch.randn(s, b, h, requires_grad=True)
+            x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(1)).requires_grad_()
             for _ in range(2):
+                x.grad = None
                 with AllocatedBytes() as a:
                     y, _ = model.linear_qkv(x)
-                y.sum().backward()
+                y.square().sum().backward()
             alive[variant] = a.alive
+            if variant != "frozen":
+                ad = model.linear_qkv.adapter
+                got[variant] = (y.detach(), x.grad, ad.linear_in.weight.grad, ad.linear_out.weight.grad)
         assert str(decisions(model)["linear_qkv"]).endswith("input recomputed from the fused LayerNorm of the TE base")
     e = 4
     assert alive["lora"] - alive["frozen"] == s * b * h * e + s * b * r * e  # TE keeps ln_out; LoRA-B keeps mid
     assert alive["lora-rc"] - alive["frozen"] == s * b * r * e  # ln_out released: mid alone
+    for name, rc, plain in zip(("out", "dx", "dA", "dB"), got["lora-rc"], got["lora"]):
+        assert torch.equal(rc, plain), name
 
-    with te_behaviour(TE_2_18), caplog.at_level(logging.INFO, logger="regather"):
+    with te_behaviour(TE_2_8), caplog.at_level(logging.INFO, logger="regather"):
         te_behaviour_version = te.installed_version
-        te.installed_version = lambda: "2.19.0"
+        te.installed_version = lambda: "2.21.0"
         try:
             model = Holder(_frozen(te_linear(h, o, tp_group=single_rank_group, sequence_parallel=False)))
             LoRA(target_modules=["linear_qkv"], dim=r, recompute_adapter_inputs=True)(model)
+            x = torch.randn(s, b, h, requires_grad=True)
             for _ in range(2):
-                model(torch.randn(s, b, h, requires_grad=True))[0].sum().backward()
+                with AllocatedBytes() as a:
+                    y, _ = model(x)
+                y.sum().backward()
         finally:
             te.installed_version = te_behaviour_version
-    assert "Transformer Engine 2.19.0 is outside the versions read" in str(model.linear_qkv.adapter.last_decision)
-    assert sum("2.19.0 is outside" in r.getMessage() for r in caplog.records) == 1
+    assert "Transformer Engine 2.21.0 is outside the versions read" in str(model.linear_qkv.adapter.last_decision)
+    assert sum("2.21.0 is outside" in r.getMessage() for r in caplog.records) == 1
+    assert a.alive - alive["frozen"] == s * b * h * e + s * b * r * e  # TE's ln_out kept, as without recompute
+
+
+def test_a_distributed_weight_keeps_the_input_with_the_reason(single_rank_group):
+    """A distributed weight (GTP, TE 2.19+): TE swaps it for the gathered copy its
+    ``materialize_group_for_forward`` makes and tests ``requires_grad`` there, then saves the original
+    (2.20.2:326-330, 523-536). regather cannot see the copy: the adapter keeps its input with the
+    reason, TE's ln_out stays, and the results are those without recompute."""
+    from regather import LoRA
+
+    got = {}
+    for rc in (False, True):
+        base = _frozen(te_linear(16, 24, tp_group=single_rank_group, sequence_parallel=False))
+        base.weight = DistributedWeight(base.weight.detach().clone(), requires_grad=False)
+        model = Holder(base)
+        torch.manual_seed(0)
+        LoRA(target_modules=["linear_qkv"], dim=4, lora_B_init_method="normal", recompute_adapter_inputs=rc)(model)
+        x = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        y, _ = model(x)
+        y.square().sum().backward()
+        got[rc] = (y.detach(), x.grad, model.linear_qkv.adapter.linear_in.weight.grad)
+    assert "weight 'weight' is a distributed weight (GTP)" in str(model.linear_qkv.adapter.last_decision)
+    _, _, ln = te.call_with_layernorm_output(base, x)
+    saved = ln.grad_fn.saved_tensors
+    assert saved[1] is None and saved[2] is base.weight  # no GEMM weight saved, the original is
+    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
 
 
 @pytest.mark.parametrize("behaviour", BEHAVIOUR_NAMES)

@@ -50,6 +50,33 @@ def test_doctor_verbose_lists_every_adapter():
     assert f"saving: estimated LoRA-A input memory saved per GPU: {saved:,} bytes" in out
 
 
+def test_doctor_and_estimate_apply_the_runs_te_release_rule():
+    """TE 2.20.2 is read: doctor's qkv / fc1 rebuild their input from TE's fused norm (TE's ln_out released)
+    and estimate --spec te assumes it by default; 2.21.0 is not: doctor shows qkv / fc1 keeping TE's ln_out
+    with the rule's reason, and the saving without the release (estimate's row for 2.21.0, less than 2.20.2's)."""
+    from regather.tools.estimate import PRESETS, Run, saved_vs_gather
+
+    argv = ["--model", "qwen3-8b", "--tp", "2", "--seq", "8192", "--recompute-adapter-inputs"]
+    read, newer = regather("doctor", *argv, "--te-version", "2.20.2"), regather("doctor", *argv, "--te-version", "2.21.0")
+    estimate = regather("estimate", "--model", "qwen3-8b", "--tp", "2", "--seq", "8192", "--spec", "te")
+    assert read.returncode == newer.returncode == estimate.returncode == 0, (read.stderr, newer.stderr, estimate.stderr)
+    flat = {name: " ".join(out.stdout.split()) for name, out in (("read", read), ("newer", newer), ("est", estimate))}
+    assert "Transformer Engine 2.20.2: qkv / fc1 release the ln_out TE keeps" in flat["read"]
+    assert "linear_qkv x35, layers 1-35: regather, input recomputed from the fused LayerNorm of the TE base" in flat["read"]
+    assert "linear_fc1 x36: regather, input recomputed from the fused LayerNorm of the TE base" in flat["read"]
+    assert "(TE 2.20.2, the newest read, assumed) qkv / fc1 rebuilt from the norm's input TE keeps" in flat["est"]
+    why = ("TE's ln_out is kept: Transformer Engine 2.21.0 is outside the versions read (2.3 to 2.20): whether its "
+           "backward reads the LayerNorm output it keeps is not known")
+    for kind in ("linear_qkv", "linear_fc1"):
+        assert f"{kind} x36: regather, input kept (recompute asked: {why})" in flat["newer"]
+    saved = {name: re.search(r"this run saves (\d[\d.]* GB)", flat[name]).group(1) for name in ("read", "newer")}
+    run = dict(tp=2, seq=8192, micro_batch=1, dtype="bfloat16", spec="te", attention_keeps_output=True)
+    want = {name: saved_vs_gather(PRESETS["qwen3-8b"], Run(**run, te_version=v), "regather-recompute")
+            for name, v in (("read", "2.20.2"), ("newer", "2.21.0"))}
+    assert want["newer"] < want["read"]
+    assert saved == {name: f"{n / 1e9:.3f} GB" for name, n in want.items()}
+
+
 REFUSED = [
     (["doctor", "--strategy", "foo"], ["'foo'", "gather", "regather", "lowrank"]),
     (["doctor", "--targets", "linear_qkv,foo"], ["foo", "linear_qkv, linear_proj, linear_fc1, linear_fc2"]),

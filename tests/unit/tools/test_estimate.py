@@ -589,6 +589,30 @@ def test_te_spec_replicated_keeps_what_lora_asked_te_to_keep():
         estimate(m, Run(spec="fused"))
 
 
+def test_te_spec_recompute_keeps_te_ln_out_outside_the_versions_read():
+    """A TE version the release rule refuses (2.21.0): qkv / fc1 keep their input — the ln_out TE keeps, the
+    bytes of no recompute — with the rule's reason; fc2 still rebuilds. 2.20.2 (and no version: the newest
+    read) release it. The JSON names the version and the refusal."""
+    from regather.megatron.dense.te_rule import ReleaseFacts, release_reason
+    from regather.tools.estimate.report import as_json
+
+    x_full, shard, fc2 = S * H * 2, S * H * 2 // 2, S * FFN_8B // 2 * 2
+    newer = Run(tp=2, seq=S, spec="te", attention_keeps_output=True, te_version="2.21.0")
+    rows = estimate(QWEN3_8B, newer, ["regather", "regather-recompute"])
+    why = release_reason(ReleaseFacts(version="2.21.0"))
+    assert rows["regather-recompute"]["adapter_input_by_target"] == {
+        "linear_qkv": 36 * shard, "linear_proj": 0, "linear_fc1": 36 * shard, "linear_fc2": 0}
+    assert rows["regather-recompute"]["kept_by_reason"] == {f"linear_qkv: {why}": 36, f"linear_fc1: {why}": 36}
+    assert rows["regather-recompute"]["saved_vs_gather"] == rows["regather"]["saved_vs_gather"] + 36 * fc2
+    for version in ("2.20.2", None):
+        read = estimate(QWEN3_8B, replace(newer, te_version=version), ["regather-recompute"])["regather-recompute"]
+        assert read["saved_vs_gather"] == 72 * (x_full + shard) - shard + 36 * fc2
+    doc = as_json(QWEN3_8B, newer, rows)
+    assert doc["te_release"] == {"version": "2.21.0", "assumed": False, "refused": why}
+    assert as_json(QWEN3_8B, replace(newer, te_version=None), rows)["te_release"] == {
+        "version": "2.20.2", "assumed": True, "refused": None}
+
+
 def test_cli_spec_te_is_the_default_and_shows_the_local_spec(capsys):
     args = ["estimate", "--model", "llama3-70b", "--tp", "8", "--no-sp", "--seq", "4096"]
     x, proj, fc2 = 4096 * 8192 * 2, 4096 * 64 * 128 // 8 * 2, 4096 * 28672 // 8 * 2

@@ -27,6 +27,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from regather.core.recompute.sources import Kept
+from regather.core.saved_hooks import saved_tensors_hook_reason
 from regather.core.unwrap import plain
 
 #: What :func:`kept_between` says of a producer whose autograd node keeps nothing: its input and
@@ -174,5 +175,6 @@ def global_hooks_reason() -> str | None:
 
 
 def reason_now(producer) -> str | None:
-    """What keeps ``producer`` from being used, known without a forward (hooks, configuration)."""
-    return global_hooks_reason() or producer.static_reason()
+    """What keeps ``producer`` from being used, known without a forward (module hooks, a saved-tensor
+    hook under which its saved tensors cannot be read, configuration)."""
+    return global_hooks_reason() or saved_tensors_hook_reason() or producer.static_reason()

@@ -59,8 +59,8 @@ from torch import nn
 from regather.core.recompute.graph import Meta, kept_between, modified_in_place, reason_now, same_tensor
 from regather.core.recompute.producers import HookedProducer, NormProducer
 from regather.core.recompute.sources import Captured, Kept, Recomputed
-from regather.megatron.dense import te, te_release
-from regather.megatron.reasons import CPU_OFFLOADING, layernorm_recomputed, no_recomputable_producer
+from regather.megatron.dense import te, te_release, te_rule
+from regather.megatron.reasons import CPU_OFFLOADING, TE_FUSED_NORM, layernorm_recomputed, no_recomputable_producer
 
 _NORM_CLASSES = ("LayerNorm", "RMSNorm", "FusedLayerNorm", "L2Norm")
 
@@ -85,10 +85,15 @@ class TELayerNormProducer(HookedProducer):
     the adapter reads its (local) LayerNorm output. TE keeps its pre-norm input (``inputmat``),
     and keeps the returned output too unless it is released: a forward whose adapters all rebuild
     it frees TE's copy (:mod:`regather.megatron.dense.te_release`), so this producer is refused
-    wherever that cannot be done safely (its ``static_reason``), and a forward where TE's saved
-    copy cannot be found keeps its input."""
+    wherever that cannot be done safely (its ``static_reason``, on every forward:
+    :func:`regather.megatron.dense.te_rule.unsupported_reason`), and a forward where TE's saved copy
+    cannot be found keeps its input."""
 
-    name = "the fused LayerNorm of the TE base"
+    name = TE_FUSED_NORM
+
+    def __init__(self, module: nn.Module, target: str | None = None):
+        super().__init__(module)
+        self.target = target  # linear_qkv / linear_fc1: which of megatron's offload modules cover it
 
     def output_of(self, result):
         if not getattr(self.module, "return_layernorm_output", False):
@@ -96,7 +101,7 @@ class TELayerNormProducer(HookedProducer):
         return te.split_output(result)[2]
 
     def static_reason(self) -> str | None:
-        return te_release.unsupported_reason(self.module, te.installed_version())
+        return te_rule.unsupported_reason(self.module, te.installed_version(), self.target)
 
     def capture(self, x: torch.Tensor) -> Captured:
         found = super().capture(x)
@@ -320,7 +325,7 @@ def find_producer(model: nn.Module, path: str, wrapper: nn.Module):
     grand = (model.get_submodule(grand_path) if grand_path else model) if parent_path else None
     base = wrapper.to_wrap
     if name in ("linear_qkv", "linear_fc1") and te.fuses_layernorm(base):
-        return TELayerNormProducer(base)
+        return TELayerNormProducer(base, name)
     if name == "linear_qkv":
         owner, norm_attr, holder = SelfAttention, "input_layernorm", "self_attention"
     elif name == "linear_fc1":

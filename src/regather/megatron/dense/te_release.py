@@ -19,78 +19,27 @@ forward), unless an adapter kept that view itself (then it is the adapter's save
 After the swap the node is read again: its tensor must be empty, else a saved-tensor hook handed out
 a copy and nothing was released (logged once).
 
-**When.** Only where TE's backward never reads the saved ``ln_out`` (read in TE v2.3 - v2.18, main):
-every use sits under ``if ctx.requires_wgrad`` (the weight is frozen), except
-``backward_override="dequantized"`` (fp8 recipes), TE's own FSDP (``fsdp_group`` gathers it),
-CPU offload (marks it), and userbuffers (``ub_bulk_dgrad`` copies it); an fp8 ``ln_out`` is a
-quantized copy, not the returned tensor. :func:`unsupported_reason` refuses each of those, and a
-Transformer Engine version outside the range read, with the reason — through the producer's
-``static_reason`` (:class:`regather.megatron.dense.producers.TELayerNormProducer`), so the adapter
-keeps its input and ``regather.decisions`` says why, as for every other producer.
+**When.** Only where :func:`regather.megatron.dense.te_rule.release_reason` allows it: TE's backward
+never reads the saved ``ln_out`` with a frozen weight, and nothing else holds or moves it (every
+TE version read, 2.3 - 2.20; the refusals and their reasons are that module's). The rule runs through
+the producer's ``static_reason`` (:class:`regather.megatron.dense.producers.TELayerNormProducer`) on
+every forward, so the adapter keeps its input and ``regather.decisions`` says why, as for every
+other producer; :func:`release` checks again what only the moment knows (a saved-tensor hook, TE's
+offload, TE's debug mode) before it reads TE's node.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 
 import torch
 
 from regather.core.recompute.graph import saved_tensors, storage_key
+from regather.megatron.dense.te_rule import runtime_reason
 
 logger = logging.getLogger("regather")
 
-#: the Transformer Engine versions whose ``layernorm_linear.py`` was read (docs/design.md §3.5.1)
-VERSIONS_READ = ((2, 3), (2, 18))
-_UB_FLAGS = ("ub_overlap_ag_fprop", "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad", "ub_overlap_rs_dgrad",
-             "ub_overlap_ag", "ub_overlap_rs", "ub_bulk_wgrad", "ub_bulk_dgrad")
 _VIEW_NODES = 4  # view / reshape nodes between the returned tensor and TE's node, at most
-
-
-def version_tuple(version: str) -> tuple[int, int] | None:
-    """``(major, minor)`` of a version string (``"2.18.0+e7c550c5"`` -> ``(2, 18)``), or None."""
-    m = re.match(r"\s*(\d+)\.(\d+)", str(version))
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def version_reason(version: str | None) -> str | None:
-    """Why TE ``version`` is not one whose backward was read, or None."""
-    lo, hi = VERSIONS_READ
-    span = f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
-    if version is None:
-        return "the installed Transformer Engine's version cannot be read (transformer_engine.__version__)"
-    found = version_tuple(version)
-    if found is None or not lo <= found <= hi:
-        return (f"Transformer Engine {version} is outside the versions read ({span}): whether its backward "
-                "reads the LayerNorm output it keeps is not known")
-    return None
-
-
-def unsupported_reason(base, version: str | None) -> str | None:
-    """Why TE's saved ``ln_out`` cannot be released for ``base`` (a ``TELayerNormColumnParallelLinear``
-    with TE ``version`` installed), or None. From the module and its megatron config (module doc)."""
-    config = getattr(base, "config", None)
-    weight = getattr(base, "weight", None)
-    if weight is not None and weight.requires_grad:
-        return "the TE base's weight is trainable: TE's backward reads its LayerNorm output for the weight gradient"
-    fp8 = [name for name in ("fp8", "fp4") if getattr(config, name, None)] + (["fp8"] if getattr(base, "fp8", False)
-                                                                             else [])
-    if fp8:
-        return (f"{fp8[0]} is on: TE saves a quantized copy of the LayerNorm output, and an fp8 recipe's "
-                "backward_override reads it in backward")
-    override = os.environ.get("NVTE_BACKWARD_OVERRIDE")
-    if override:
-        return f"NVTE_BACKWARD_OVERRIDE={override!r}: TE's backward reads the LayerNorm output it keeps"
-    if getattr(base, "fsdp_group", None) is not None:
-        return "TE's own FSDP (fsdp_group) gathers the LayerNorm output it keeps in backward"
-    if getattr(config, "cpu_offloading", False):
-        return "CPU offload (cpu_offloading=True) marks the LayerNorm output TE keeps for offload"
-    ub = [flag for flag in _UB_FLAGS if getattr(base, flag, False)]
-    if ub or getattr(config, "tp_comm_overlap", False):
-        return (f"userbuffers ({', '.join(ub) or 'tp_comm_overlap'}): TE's backward may copy the LayerNorm "
-                "output it keeps into its buffer")
-    return version_reason(version)
 
 
 def saved_layernorm_output(ln_out: torch.Tensor):
@@ -118,6 +67,9 @@ def saved_layernorm_output(ln_out: torch.Tensor):
 
 def release(ln_out: torch.Tensor) -> str | None:
     """Free TE's saved copy of ``ln_out`` (module doc); None when done, else why not."""
+    why = runtime_reason()  # before TE's node is read: its unpack hooks would run
+    if why is not None:
+        return why
     found = saved_layernorm_output(ln_out)
     if isinstance(found, str):
         return found

@@ -57,7 +57,7 @@ def _recompute_modules(value: str) -> tuple:
 
 def _te_version(value: str) -> str:
     """``--te-version``: a version TE could have (``2.18``, ``2.18.0``, ``2.4.0.dev0+abc``)."""
-    from regather.megatron.dense.te_release import version_tuple
+    from regather.megatron.dense.te_rule import version_tuple
 
     if version_tuple(value) is None:
         raise argparse.ArgumentTypeError(f"{value!r} is not a Transformer Engine version such as 2.18 or 2.18.0")

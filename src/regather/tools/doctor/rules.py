@@ -5,7 +5,10 @@ every adapter runs; the recompute part from :func:`recompute_part`, which writes
 adapters and their producers give (``regather.megatron.dense.producers``) in the order they check
 them — including the per-forward one for layer 0 (frozen embeddings: ``input_layernorm`` keeps
 nothing, so layer 0's ``linear_qkv`` keeps its input),
-:func:`regather.tools.estimate.producer_inputs_need_grad`.
+:func:`regather.tools.estimate.producer_inputs_need_grad`. On the TE spec a ``linear_qkv`` /
+``linear_fc1`` input comes from the base's fused norm where the run would release TE's ``ln_out``:
+:func:`te_release_reason` calls the run's own rule
+(:func:`regather.megatron.dense.te_rule.release_reason`).
 
 MoE (``--moe``): expert fc1's recompute outcome is the adapters' (:mod:`regather.megatron.moe.inputs`),
 in their order — a per-expert LoRA-A (SequentialMLP, or grouped experts with
@@ -28,6 +31,7 @@ from regather.megatron.reasons import (
     MOE_ACT_RECOMPUTED,
     NORM_OF,
     REDISPATCH_OPT_IN,
+    TE_FUSED_NORM,
     kept_as_is,
     layernorm_recomputed,
     no_recomputable_producer,
@@ -115,6 +119,11 @@ def recompute_part(setup: Setup, name: str, used: str, producer_input_needs_grad
         return None, IN_CHECKPOINT
     if name == "linear_fc2":
         producer = activation_name(setup)
+    elif setup.spec == "te":  # TE's fused norm (TELayerNormProducer): the release rule the run applies
+        producer = TE_FUSED_NORM
+        refused = te_release_reason(setup)
+        if refused:
+            return None, refused
     else:
         producer = NORM_OF[name]
         if setup.recompute_granularity == "selective" and "layernorm" in modules:
@@ -122,6 +131,18 @@ def recompute_part(setup: Setup, name: str, used: str, producer_input_needs_grad
     if not producer_input_needs_grad:
         return None, f"{producer}: {NOTHING_KEPT}"
     return producer, None
+
+
+def te_release_reason(setup: Setup) -> str | None:
+    """Why a TE ``linear_qkv`` / ``linear_fc1`` adapter of this run cannot release the ``ln_out`` TE keeps
+    for it, or None: :func:`regather.megatron.dense.te_rule.release_reason`, the rule the run applies, on
+    what the setup knows (its TE version — ``--te-version``, else the installed one, else the newest read —
+    and megatron's CPU offload)."""
+    from regather.megatron.dense import te_rule
+    from regather.tools.estimate.spec import TE_VERSION_DEFAULT
+
+    return te_rule.release_reason(te_rule.ReleaseFacts(version=setup.te_version or TE_VERSION_DEFAULT,
+                                                       cpu_offloading=setup.cpu_offloading))
 
 
 def _expert_recompute_part(setup: Setup, name: str, needs_grad: bool) -> tuple[str | None, str | None]:

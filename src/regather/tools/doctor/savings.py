@@ -35,7 +35,7 @@ def expert_estimate(setup: Setup):
     if model.dispatcher not in REPLAYED_DISPATCHERS:
         model = dataclasses.replace(model, dispatcher="alltoall")
     return model, est.Run(**shape_fields(RunShape, setup), spec=setup.spec,
-                          attention_keeps_output=setup.attention_keeps_output)
+                          attention_keeps_output=setup.attention_keeps_output, te_version=setup.te_version)
 
 
 def _variant(d: Mapping) -> str:

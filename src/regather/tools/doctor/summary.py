@@ -84,8 +84,22 @@ def summary(setup: Setup, decisions: Mapping[str, Mapping]) -> dict:
         est = {"strategy": variant, "saved": saved_vs_gather(*expert_estimate(setup), variant)}
     except ValueError as exc:
         est = {"strategy": variant, "refused": str(exc)}
-    return {"gather": s["gather"], "kept": s["kept"], "saved": s["saved"], "by_kind": s["by_kind"],
-            "experts_note": s["experts_note"], "groups": groups(setup, decisions), "estimate": est}
+    out = {"gather": s["gather"], "kept": s["kept"], "saved": s["saved"], "by_kind": s["by_kind"],
+           "experts_note": s["experts_note"], "groups": groups(setup, decisions), "estimate": est}
+    if setup.spec == "te" and setup.recompute_adapter_inputs:
+        out["te_release"] = te_release(setup)
+    return out
+
+
+def te_release(setup: Setup) -> dict:
+    """On the TE spec with recompute: the Transformer Engine version the release is decided for (``--te-version``,
+    else the installed one, else the newest read: ``assumed``) and the run's rule's answer (``refused``: its
+    reason, or None where qkv / fc1 release the ``ln_out`` TE keeps for them)."""
+    from regather.tools.doctor.rules import te_release_reason
+    from regather.tools.estimate.spec import TE_VERSION_DEFAULT
+
+    return {"version": setup.te_version or TE_VERSION_DEFAULT, "assumed": setup.te_version is None,
+            "refused": te_release_reason(setup)}
 
 
 def lines(setup: Setup, summ: dict) -> list[str]:
@@ -99,6 +113,14 @@ def lines(setup: Setup, summ: dict) -> list[str]:
     else:
         out.append(f"  regather estimate's '{est['strategy']}' row says {gb(est['saved'])}: estimate models no CUDA "
                    "graphs, activation checkpoints or offloading; the adapters below that save nothing fall back here")
+    te = summ.get("te_release")
+    if te:
+        version = te["version"] + (" (none given or installed: the newest read, assumed; --te-version)"
+                                   if te["assumed"] else "")
+        outcome = ("qkv / fc1 keep the ln_out TE keeps for them (their lines say why)" if te["refused"] else
+                   "qkv / fc1 release the ln_out TE keeps for them where they rebuild their input")
+        out += textwrap.wrap(f"Transformer Engine {version}: {outcome}", WIDTH, initial_indent="  ",
+                             subsequent_indent="      ", break_long_words=False, break_on_hyphens=False)
     for g in summ["groups"]:
         saves = f"saves {gb(g['saved'])}" if g["saved"] else "saves nothing"
         layers = f", layer{'s' if g['adapters'] > 1 else ''} {g['layers']}" if g["layers"] else ""

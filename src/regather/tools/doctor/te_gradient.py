@@ -22,7 +22,7 @@ te-ln-grad      warning the same, the TE version unknown (not installed here, no
 
 from __future__ import annotations
 
-from regather.megatron.dense.te_release import version_tuple
+from regather.megatron.dense.te_rule import version_tuple
 from regather.tools.doctor.setup import Finding, Setup
 
 #: the first TE version whose backward drops the gathered LayerNorm output's gradient

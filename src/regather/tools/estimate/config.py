@@ -135,6 +135,9 @@ class Run(RunShape):
     # what the base linears keep (regather.tools.estimate.spec): "local" (megatron's local spec, what
     # bench runs; the library default) or "te" (Transformer Engine, what Bridge's recipes run)
     spec: str = "local"
+    # the Transformer Engine version on the TE spec, which decides whether recompute releases TE's
+    # ln_out (regather.tools.estimate.spec.te_release_reason); None: the newest version read
+    te_version: str | None = None
 
     @property
     def e(self) -> int:

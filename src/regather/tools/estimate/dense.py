@@ -29,8 +29,11 @@ adapter                 recomputes when
 ======================= ============================================================
 linear_qkv, dense fc1   regather or lowrank on an eligible adapter (SP, TP>1), or any
                         strategy on the replicated path (TP=1, or SP off), and the
-                        norm's input (``input_layernorm`` / ``pre_mlp_layernorm``)
-                        requires grad; on the gather path under SP: kept
+                        norm's input (``input_layernorm`` / ``pre_mlp_layernorm``;
+                        on the TE spec the base's fused norm) requires grad; on the
+                        TE spec also where the run's rule releases TE's ``ln_out``
+                        (:func:`~regather.tools.estimate.spec.te_release_reason`);
+                        on the gather path under SP: kept
 dense linear_fc2        every strategy, when fc1's output requires grad
 linear_proj             never (no recomputable producer)
 ======================= ============================================================
@@ -59,7 +62,7 @@ backward, the library default.) Recomputing a dense input sends nothing.
 from __future__ import annotations
 
 from regather.core.recompute.graph import NOTHING_KEPT
-from regather.megatron.reasons import ALL_TARGETS, NORM_OF, kept_as_is, no_recomputable_producer
+from regather.megatron.reasons import ALL_TARGETS, kept_as_is, no_recomputable_producer
 from regather.tools.estimate.config import (
     ATTENTION_OUTPUT,
     AdapterInput,
@@ -72,7 +75,7 @@ from regather.tools.estimate.config import (
     ring,
     split_strategy,
 )
-from regather.tools.estimate.spec import replicated, te_shard_beside
+from regather.tools.estimate.spec import norm_producer, replicated, te_release_reason, te_shard_beside
 
 MLP_ACTIVATION = "the MLP activation"  # the producer of a dense fc2 input (its function's name omitted)
 
@@ -88,6 +91,7 @@ def adapter_inputs(model: Model, run: Run, strategy: str) -> list[list[AdapterIn
     s, b, t, e = run.seq, run.micro_batch, run.tp, run.e
     eligible = eligible_per_layer(model, run)
     local = base != "gather"
+    refused = te_release_reason(run) if recompute else None  # the TE spec: the run's release rule
     layers = []
     for need_grad in needs_grad(model, run):
         row = []
@@ -102,10 +106,12 @@ def adapter_inputs(model: Model, run: Run, strategy: str) -> list[list[AdapterIn
                     row.append(AdapterInput(name, kept))
                 elif gathered:
                     row.append(AdapterInput(name, kept, kept_because=kept_as_is("gather")))
+                elif refused:  # TE's ln_out is the input: kept as without recompute
+                    row.append(AdapterInput(name, kept, kept_because=refused))
                 elif not need_grad[name]:
-                    row.append(AdapterInput(name, kept, kept_because=f"{NORM_OF[name]}: {NOTHING_KEPT}"))
+                    row.append(AdapterInput(name, kept, kept_because=f"{norm_producer(name, run)}: {NOTHING_KEPT}"))
                 else:
-                    row.append(AdapterInput(name, 0, recomputed_from=NORM_OF[name]))
+                    row.append(AdapterInput(name, 0, recomputed_from=norm_producer(name, run)))
             elif name == "linear_proj" and run.attention_keeps_output:
                 row.append(AdapterInput(name, 0, shared_with=ATTENTION_OUTPUT))
             elif name == "linear_proj":

@@ -14,7 +14,7 @@ from regather.tools.estimate.config import (
     layers_here,
 )
 from regather.tools.estimate.experts import expert_layout
-from regather.tools.estimate.spec import HOW_OBTAINED, LOCAL, spec_lines
+from regather.tools.estimate.spec import HOW_OBTAINED, LOCAL, spec_lines, te_release_reason, te_version
 from regather.tools.estimate.summary import adapter_input_bytes, saved_vs_gather
 
 # The reference's measured peak-memory drops with sequence_parallel_input_regather=True
@@ -132,13 +132,16 @@ def run_json(model: Model, run: Run) -> dict:
 
 def as_json(model: Model, run: Run, result: dict, reference: dict | None = None, same: dict | None = None,
             local: dict | None = None) -> dict:
-    """The ``--json`` document. On the TE spec also ``"spec"`` and, with ``local`` (:func:`estimate` of
+    """The ``--json`` document. On the TE spec also ``"spec"``, ``"te_release"`` (the TE version the release is
+    decided for, whether it was assumed, and the rule's refusal or None) and, with ``local`` (:func:`estimate` of
     the same run on the local spec), each strategy's ``"local_spec"`` bytes and saving; the local
     spec's document is as it was before ``--spec`` existed."""
     out = {"model": model_json(model), "run": run_json(model, run), "experts": expert_layout(model, run),
            "strategies": result, "reference_saved": reference}
     if run.spec != LOCAL:
         out["spec"] = run.spec
+        out["te_release"] = {"version": te_version(run), "assumed": run.te_version is None,
+                             "refused": te_release_reason(run)}
         out["spec_notes"] = spec_lines(run)
         out["how_obtained"] = dict(HOW_OBTAINED)
         if reference:

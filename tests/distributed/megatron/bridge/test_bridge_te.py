@@ -20,7 +20,7 @@ from regather.tools.cpu.dist import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not bridge_available(), reason=INSTALL_HINT),
               pytest.mark.timeout(600)]
-BEHAVIOURS = ("te<=2.3", "te>=2.4")
+BEHAVIOURS = ("te<=2.3", "te2.8-2.20")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_decoder_input_gradient_against_float64(runs, behaviour):
         print(f"rank {res['rank']} {behaviour}: decoder input gradient, max-abs relative error vs fp64: "
               + ", ".join(f"{v} {e:.3g}" for v, e in errs.items()))
         for variant in VARIANTS:
-            if variant == "bridge/gather" and behaviour == "te>=2.4":
+            if variant == "bridge/gather" and behaviour == "te2.8-2.20":
                 # LoRA's qkv / fc1 share of the input gradient never reaches the norm
                 assert errs[variant] > 1e3 * max(errs["bridge/regather"], 1e-7), errs
                 continue
