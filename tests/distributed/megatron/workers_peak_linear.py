@@ -98,7 +98,7 @@ def run(rank, world, spec: str) -> dict:
     init_model_parallel(world, etp=world)
     group, out = dist.group.WORLD, {"bytes": {}, "decisions": {}}
     kinds = ("column", "row") + (("expert-column", "expert-row") if spec == "local" else ())
-    with te_behaviour("te>=2.4"):
+    with te_behaviour("te2.8-2.20"):
         for kind in kinds:
             name = "linear_fc1" if kind.endswith("column") else "linear_fc2"
             x, dy = _data(kind, rank, world)

@@ -166,14 +166,14 @@ def sbhd_batch():
 
 
 def on_te(body, rank):
-    """``body(rank)`` with the TE model's linears and regather reading TE >= 2.4 (read at v2.18, as the
+    """``body(rank)`` with the TE model's linears and regather reading TE 2.8-2.20 (read at v2.18, as the
     attention model) as the installed TE (tests.harness.te_model.te_behaviour)."""
-    from tests.harness.te_model import TE_2_18, te_behaviour
+    from tests.harness.te_model import TE_2_8, te_behaviour
 
     from regather.tools.cpu.megatron_cpu import enable_megatron_cpu
 
     enable_megatron_cpu()
-    with te_behaviour(TE_2_18):
+    with te_behaviour(TE_2_8):
         return body(rank)
 
 
