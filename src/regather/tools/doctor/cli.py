@@ -147,6 +147,17 @@ def header(setup: Setup, built: bool) -> str:
             f"({'built model' if built else 'eligibility rules'})")
 
 
+def how_obtained(setup: Setup, built: bool) -> str:
+    """How the report's decisions and bytes were obtained (none of it measured on a GPU)."""
+    decisions = (f"decisions asked of the {setup.model_name} built on {setup.tp} CPU gloo ranks (megatron's local "
+                 "spec, one training step)" if built else
+                 "decisions from regather's eligibility rules (no model built: --build asks a tiny GPT on CPU ranks)")
+    spec = ("spec te: the qkv / fc1 / fc2 rules measured on the Transformer Engine model on CPU, linear_proj's and "
+            "the experts' read in TE's source" if setup.spec == "te" else
+            "the local spec: they match regather bench's counts on CPU byte for byte")
+    return f"how obtained: {decisions}; bytes modelled, regather estimate's formulas ({spec}); none measured on a GPU"
+
+
 def main(args, env: Mapping[str, str] | None = None) -> int:
     import json
     import textwrap
@@ -166,7 +177,7 @@ def main(args, env: Mapping[str, str] | None = None) -> int:
                           "findings": [asdict(f) for f in findings]}, indent=1))
     else:
         shown = [f for f in findings if args.verbose or f.code not in ("adapter", "saving")]
-        out = wrapped([header(setup, args.build)])
+        out = wrapped([header(setup, args.build), how_obtained(setup, args.build)])
         out += lines(setup, summ)
         if shown:
             out += ["", "findings:"]

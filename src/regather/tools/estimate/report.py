@@ -47,6 +47,9 @@ def reference_for(preset: str, model: Model, run: Run) -> dict | None:
 
 
 UNFUSED = "megatron's unfused local attention saves the probabilities and V, not its output"
+#: how the local spec's figures are obtained (the TE spec's: spec.HOW_OBTAINED, in spec_lines)
+LOCAL_HOW = ("how obtained: modelled from the sizes (regather.tools.estimate's formulas, which match regather bench's "
+             "counts on CPU byte for byte: small dense and MoE models, tested); none measured on a GPU yet")
 
 
 def _names(targets) -> str:
@@ -209,7 +212,7 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
                              "frozen embeddings (needs no grad; --input-requires-grad: as with Bridge's "
                              "maybe_enable_recompute_inputs_grad / HF's enable_input_require_grads)"),
     ]
-    lines += spec_lines(run)
+    lines += spec_lines(run) if run.spec != LOCAL else [LOCAL_HOW]
     if reference:
         lines.append(f"reference measured ({REFERENCE_IS}; {reference['note']}): {gb(reference['saved'])}"
                      + (f"; this estimate: LoRA on {_names(run.targets)}, r={run.lora_rank} (the reference does "
