@@ -64,8 +64,8 @@ def register(subparsers) -> None:
     p = add_command(subparsers, "bench", help="measure retained bytes, communication, step time and parity per "
                     "strategy", description=DESCRIPTION, defaults=_defaults(),
                     titles={"model": "model (default: the tiny test GPT)",
-                            "experts": "mixture of experts (--moe; ranks = max(tp, ep x etp); default variants: "
-                                       + ",".join(DEFAULT_VARIANTS) + ")"})
+                            "experts": "mixture of experts (--moe; default variants: " + ",".join(DEFAULT_VARIANTS)
+                                       + ")"})
     p.set_defaults(func=main)
 
 

@@ -18,7 +18,7 @@ KIND_ORDER = ALL_TARGETS + ("shared_experts.linear_fc1", "shared_experts.linear_
 
 
 def per_expert(spec: dict) -> bool:
-    """One LoRA pair per local expert asked (``--per-expert``): ``share_expert_adapters`` off, or, in
+    """One LoRA pair per local expert asked (``--expert-lora per-expert``): ``share_expert_adapters`` off, or, in
     a bench.json written before the shapes were shared, ``per_expert``."""
     return spec.get("per_expert", not spec.get("share_expert_adapters", True))
 
@@ -29,7 +29,7 @@ def command_line(spec: dict, out: str | None = None) -> str:
             "--dispatcher", spec["dispatcher"], "--num-experts", spec["num_experts"], "--topk", spec["topk"],
             "--moe-ffn", spec["moe_ffn"]]
     if per_expert(spec):
-        opts += ["--per-expert"]
+        opts += ["--expert-lora", "per-expert"]
     if spec.get("shared_expert_ffn"):
         opts += ["--shared-expert-ffn", spec["shared_expert_ffn"]]
     if spec.get("moe_layer_freq", 1) != 1:

@@ -87,6 +87,10 @@ def setup_from_args(args) -> Setup:
     sizes, name = sized(args, base, base.model_name, "doctor", tiny=tiny)
     moe = sizes.get("num_experts", base.num_experts) > 0
     refuse_contradictions(args, moe, name, "doctor")
+    if args.redispatch_expert_inputs and not args.recompute_adapter_inputs:
+        raise SystemExit("regather doctor: --redispatch-expert-inputs rebuilds expert inputs in backward: it needs "
+                         "--recompute-adapter-inputs (LoRA refuses redispatch_expert_inputs without "
+                         "recompute_adapter_inputs)")
     bad = [t for t in args.targets or () if t not in ALL_TARGETS]
     if bad:
         raise SystemExit(f"regather doctor: targets {bad}: doctor reasons about megatron's fused linears, "

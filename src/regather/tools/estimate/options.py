@@ -58,7 +58,7 @@ def sized(args, base, base_name: str, command: str, tiny: bool = False) -> tuple
     final = {d: sizes.get(d, getattr(base, d)) for d in SIZES}
     moe = final["num_experts"] > 0
     if moe and not base.num_experts:
-        missing = [d for d in ("moe_ffn", "topk") if d not in sizes]
+        missing = [d for d in ("topk", "moe_ffn") if d not in sizes]
         if tiny:
             sizes.update({d: TINY_MOE[d] for d in missing})
         elif missing:  # a dense preset made MoE: its routing and expert size are not the preset's to give

@@ -260,7 +260,7 @@ FLAGS: list[Flag] = [
          + ",".join(TITAN_TARGETS), (B, E, D), "lora", type=targets,
          unset={E: "megatron's four (--front-end torchtitan: its five), or the recipe's",
                 D: "megatron's four, or the recipe's",
-                B: "linear_qkv,linear_fc1 (--canonical: its five; --torchtitan: wqkv,wo,w1,w2,w3)"}),
+                B: "megatron's four (--canonical: CanonicalLoRA's seven; --torchtitan: its five)"}),
     Flag(("--lora-rank",), "LoRA rank (Bridge's dim)", (M, B, E, D), "lora", type=positive, defaults={M: 8},
          unset={E: f"16 for a preset, 8 for {TINY} and --front-end torchtitan, or the recipe's dim",
                 D: f"16 for a preset, 8 for {TINY}, or the recipe's dim"}),
@@ -305,9 +305,9 @@ FLAGS: list[Flag] = [
     Flag(("--build",), f"build the {TINY} GPT on --tp CPU gloo ranks and ask its adapters (regather.decisions, then "
          "each adapter's decision in one training step for the recompute checks)", (D,), "output", switch=True),
     Flag(("--out",), "write bench.json, bench.md (and bench.png) into this folder, created if missing (checked "
-         "before the run)", (B,), "output", metavar="DIR"),
+         "before the run)", (B,), "output", metavar="DIR", unset="none: the report is printed only"),
     Flag(("--render",), "run nothing: print (and with --out re-write) the reports of an earlier bench.json", (B,),
-         "output", metavar="JSON"),
+         "output", metavar="JSON", unset="none: run the bench"),
 ]
 
 
