@@ -357,6 +357,8 @@ def _parsed(command: str, argv: list[str]):
     ["--recipe", "qwen3-8b-peft-1gpu", RC], ["--recipe", "llama3-70b-peft-8gpu", RC],
     ["--recipe", "qwen3-8b-reference", RC], ["--model", "qwen3-30b-a3b", "--tp", "4", "--ep", "4", RC],
     ["--model", "gpt-oss-120b", "--ep", "8", RC], ["--model", "llama3-8b", "--targets", "linear_qkv,linear_fc2", RC],
+    ["--model", "tiny", RC], ["--hidden", "1024", "--heads", "8", "--layers", "4", RC],
+    ["--model", "qwen3-30b-a3b", "--tp", "4", "--ep", "4", "--experts", "sequential", RC],
 ], ids=lambda a: " ".join(a) or "defaults")
 def test_doctor_and_estimate_agree_to_the_byte(argv):
     """The same command line (doctor's own options left out) gives estimate's model and run, and the
