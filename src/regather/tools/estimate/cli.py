@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from regather.megatron.canonical import CANONICAL_TARGETS
-from regather.megatron.reasons import ALL_TARGETS
+from regather.megatron.reasons import ALL_TARGETS, REPLAYED_DISPATCHERS
 from regather.tools.cmdline import given, wrapped
 from regather.tools.estimate.config import ALL_STRATEGIES, PRESETS, Model, Run
 from regather.tools.estimate.options import (
@@ -137,6 +137,10 @@ def megatron_from_args(args) -> tuple[Model, Run, tuple]:
     refuse_recipe(args, key, "estimate")
     model = model_from_args(args, key)
     refuse_contradictions(args, model.moe, model.name, "estimate")
+    if model.dispatcher not in REPLAYED_DISPATCHERS:
+        raise SystemExit(f"regather estimate: --dispatcher {model.dispatcher}: estimate models "
+                         f"{' and '.join(REPLAYED_DISPATCHERS)}, whose route regather replays (doctor reasons about "
+                         "flex too)")
     run = run_from_args(args, key)
     titan = [t for t in run.targets if t in TITAN_TARGETS]
     if titan:
