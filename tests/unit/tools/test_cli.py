@@ -91,6 +91,8 @@ REFUSED = [
     (["estimate", "--hiden", "64"], ["unknown flag --hiden", "did you mean --hidden"]),
     (["bench", "--per-expert"], ["--per-expert is now --expert-lora per-expert"]),
     (["bench", "--moe", "--dispatcher", "flex"], ["--dispatcher flex", "alltoall or allgather"]),
+    (["estimate", "--model", "qwen3-30b-a3b", "--tp", "4", "--ep", "4", "--dispatcher", "flex"],
+     ["--dispatcher flex", "alltoall and allgather"]),
     (["bench", "--lora-alpha", "0"], ["--lora-alpha", "0 is not a positive number"]),
     ]
 
