@@ -48,7 +48,53 @@ def adaptable_linear(module: nn.Module) -> bool:
 
 @dataclass
 class LoRA:
-    """LoRA for megatron-core models (field names and defaults of Megatron Bridge)."""
+    """LoRA for megatron-core models: ``LoRA(...)(model)`` adapts a ``GPTModel`` in place.
+
+    Megatron Bridge's fields, with its names and defaults (``megatron.bridge.peft.lora.LoRA``):
+
+    - ``target_modules``: the linears to adapt, by attribute name (``linear_qkv``, ``linear_proj``,
+      ``linear_fc1``, ``linear_fc2``: all four by default) or by a wildcard over the dotted path
+      (``"*.layers.0.*.linear_qkv"``). A name that matches nothing is an error, before any change.
+    - ``exclude_modules``: names or wildcards left out of what ``target_modules`` selects.
+    - ``dim`` (32): the LoRA rank. ``alpha`` (32): the update is scaled by ``alpha / dim``.
+    - ``dropout`` (0.0, in [0, 1)) and ``dropout_position`` (``"pre"``: on LoRA-A's input; ``"post"``: on
+      LoRA-B's output).
+    - ``lora_A_init_method`` (``"xavier"``) and ``lora_B_init_method`` (``"zero"``): ``xavier``, ``normal``,
+      ``kaiming`` or ``zero``.
+    - ``sequence_parallel_input_regather`` (False): under sequence parallelism, a column-parallel adapter
+      (``linear_qkv``, a dense ``linear_fc1``) keeps only its sequence shard for LoRA-A's gradient and
+      gathers it again in backward, instead of keeping the gathered input (the "regather" strategy).
+    - ``share_expert_adapters`` (True): grouped MoE expert linears share one adapter over the local
+      experts (False: one per expert; SequentialMLP experts always have one each).
+    - ``normalize_moe_lora`` (False): expert adapters get ``dim // moe_router_topk``.
+
+    regather's additions (Bridge has none of them; ``regather.bridge.LoRA`` carries them behind Bridge's
+    protocol):
+
+    - ``sequence_parallel_input_strategy`` (None): ``"gather"``, ``"regather"`` or ``"lowrank"`` (LoRA-A
+      replicated over TP, its input kept as the shard, its rank-r output gathered); None follows
+      ``sequence_parallel_input_regather``, and the two must not disagree.
+    - ``early_regather`` (True): regather starts the backward gather when the adapter's output gradient
+      arrives and computes dA after the base layer's dgrad (bit-identical; False: plain regather).
+    - ``lowrank_grad_allreduce`` (``"backward"``): where lowrank sums its TP-partial dA — inside the library,
+      or ``"finalize_model_grads"`` (megatron-core's, through the parameter's ``sequence_parallel`` tag).
+    - ``share_sequence_gather`` (False): gather a frozen ColumnParallelLinear's input once for the base and
+      the adapter (``LoRALinear.share_sequence_gather``).
+    - ``recompute_adapter_inputs`` (False): save nothing new for LoRA-A and rebuild its input in backward
+      from what its producer keeps (the norm's input for qkv / fc1 under regather or lowrank, the
+      activation's input for fc2 with every strategy); bit-identical. Each adapter's decision says which
+      inputs are rebuilt, from what, and why one is kept (``regather.decisions(model)``).
+    - ``redispatch_expert_inputs`` (False, needs ``recompute_adapter_inputs``): a per-expert LoRA-A on an
+      expert ``linear_fc1`` rebuilds its input by dispatching the router's input again in backward.
+    - ``activation`` (``"identity"``): between LoRA-A and LoRA-B (``relu``, ``gelu``, ``silu``, ``swish``; as
+      Bridge's adapter's); anything but identity keeps the gather path.
+    - ``a2a_experts`` (False): Bridge's adapter's ``a2a_experimental``; such an adapter keeps the gather path.
+
+    Bridge fields regather's ``LoRA`` does not take: ``a2a_experimental`` (here ``a2a_experts``), ``lora_dtype``
+    and ``experts_shared_outer_loras``; ``regather.bridge.LoRA`` takes all three (``a2a_experimental`` as
+    ``a2a_experts``, the other two for the modules Bridge adapts itself). The configuration and the matches are
+    validated before the model is touched.
+    """
 
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     exclude_modules: list[str] = field(default_factory=list)

@@ -4,7 +4,8 @@ Each sub-command lives in its own module exposing ``register(subparsers)``,
 which adds an argparse sub-parser whose ``func`` default runs it. Modules are
 imported only when listed here, and each keeps its heavy imports (megatron-core,
 torchtitan, matplotlib) inside the function that runs it, so ``regather --help``
-loads none of them (torch it does). Bad input ends a command with one line
+loads none of them (torch it does). Every command's flags come from one table
+(:mod:`regather.tools.estimate.vocabulary`); bad input ends a command with one line
 (:mod:`regather.tools.cmdline`).
 """
 
@@ -26,7 +27,11 @@ _COMMANDS = {
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="regather", description=__doc__.splitlines()[0])
+    from regather import __version__
+
+    parser = Parser(prog="regather", description="regather's tools: demo (a short fine-tune on CPU ranks), bench "
+                    "(measured on CPU ranks), estimate (analytic), doctor (your run's LoRA-A decisions and settings)")
+    parser.add_argument("--version", action="version", version=f"regather {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in _COMMANDS.values():
         try:
@@ -36,6 +41,7 @@ def build_parser() -> Parser:
                 continue
             raise
         mod.register(sub)
+    parser.commands = dict(sub.choices)  # an unknown flag is refused by the sub-command it was given to
     return parser
 
 

@@ -58,11 +58,19 @@ def test_cli_writes_reports_and_agrees_with_estimate(tmp_path, capsys):
     out = tmp_path / "bench"
     argv = ["bench", "--steps", "2", "--warmup", "1", "--quiet", "--out", str(out)]
     assert cli.main(argv) == 0
-    assert "x gather" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "x gather" in text
+    # the report opens with what ran, on what and what each column means, before any table (issue 48)
+    head = text.split("\n\n")[0]
+    assert head.startswith("regather bench: GPT 2 layers, hidden 64, 4 heads, ffn 128") and "\ncolumns:\n" in head
+    assert "measured on CPU (gloo): 2 ranks" in head and "  retained: unique storages" in head
+    assert head.endswith("CPU times show relative cost only; absolute times need a GPU.")
+    assert "time inside the producers' recomputes" in text
     summary = json.loads((out / "bench.json").read_text())
     assert (out / "bench.png").stat().st_size > 1000
     md = (out / "bench.md").read_text()
     assert "regather bench --hidden 64 --layers 2" in md and "--steps 2 --warmup 1" in md and "torch" in md and "megatron-core" in md
+    assert md.index("What each column means") < md.index("| strategy |") and "- measured on CPU (gloo):" in md
     rows = summary["strategies"]
     assert set(runner.available_strategies()) == set(rows)
     for name, row in rows.items():

@@ -190,7 +190,7 @@ def _spec(argv):
 
 
 def test_cli_parses_the_moe_flags():
-    spec = _spec(["--experts", "grouped", "--per-expert", "--tp", "4", "--ep", "2", "--etp", "2",
+    spec = _spec(["--experts", "grouped", "--expert-lora", "per-expert", "--tp", "4", "--ep", "2", "--etp", "2",
                   "--dispatcher", "allgather", "--num-experts", "8", "--topk", "1", "--moe-ffn", "32",
                   "--shared-expert-ffn", "16", "--moe-layer-freq", "2",
                   "--strategies", "gather,lowrank-recompute-redispatch"])
@@ -201,11 +201,11 @@ def test_cli_parses_the_moe_flags():
     run = spec.run_config()
     assert not run.share_expert_adapters and run.world == 4 and run.shape.layer_pattern == [1, 0]
     assert _spec(["--tp", "1", "--ep", "2"]).world == 2  # DP2 for the dense layers
-    assert "--per-expert" in moe_report.command_line(spec.__dict__)
+    assert "--expert-lora per-expert" in moe_report.command_line(spec.__dict__)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--per-expert"], "--per-expert needs --experts grouped"),
+    (["--expert-lora", "per-expert"], "--expert-lora per-expert needs --experts grouped"),
     (["--tp", "2", "--ep", "3"], "must divide one another"),
     (["--tp", "4", "--ep", "2", "--etp", "3"], "must divide one another"),
     (["--num-experts", "3"], "is not a multiple of --ep"),

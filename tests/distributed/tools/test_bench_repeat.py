@@ -33,6 +33,10 @@ def test_allocator_column_repeats_and_the_output_is_quiet(tmp_path):
         assert all(line.lstrip().startswith("[") and "step" in line for line in progress), progress
         assert not [c for c in CHATTER if c in done.stdout + done.stderr], done.stdout + done.stderr
         assert max(map(len, done.stdout.splitlines())) <= 120
+        head = done.stdout.split("\n\n")[0]  # what ran, on what, the columns: before the tables (issue 48)
+        assert head.startswith("regather bench --torchtitan: torchtitan llama3, 2 layers, dim 64") and "columns:" in head
+        assert "measured on CPU (gloo): 2 ranks" in head and "torchtitan 0.3.0" in head
+        assert head.endswith("CPU times show relative cost only; absolute times need a GPU.")
         rows = json.loads((out / "bench.json").read_text())["strategies"]
         columns.append({name: r["allocated_over_frozen"] for name, r in rows.items()})
         # beside the saved-tensor count the allocator sees only autograd's few bytes of bookkeeping per variant

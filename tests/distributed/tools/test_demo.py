@@ -31,9 +31,9 @@ def test_demo_short_run_prints_identical_losses_and_bytes_cut_by_tp():
     assert "cut by a factor 2 (TP=2)" in " ".join(out.split())
     # the third column: every recomputing qkv/fc1 and fc2 adapter input at 0 new bytes
     s, b, h, ffn, t, e = 32, 2, 64, 256, 2, 4
-    assert _row(out, "3 recomputing") == [3 * s * b * h * e, 3 * s * b * h // t * e, 0]
-    assert _row(out, "fc2 (row-parallel, 2 recomp.)") == [2 * s * b * ffn // t * e] * 2 + [0]
-    assert _row(out, "1 keeping (see below)") == [s * b * h * e, s * b * h // t * e, s * b * h // t * e]
+    assert _row(out, "the 3 that +recompute rebuilds") == [3 * s * b * h * e, 3 * s * b * h // t * e, 0]
+    assert _row(out, "fc2 (row-parallel)") == [2 * s * b * ffn // t * e] * 2 + [0]
+    assert _row(out, "the 1 that +recompute keeps") == [s * b * h * e, s * b * h // t * e, s * b * h // t * e]
     total = _row(out, "retained activations, total")
     inputs = _row(out, "of which LoRA-A inputs")
     assert total[0] - total[2] == inputs[0] - inputs[2]  # nothing else retained changes
@@ -47,3 +47,17 @@ def test_demo_short_run_prints_identical_losses_and_bytes_cut_by_tp():
     assert re.search(r"decoder\.layers\.1\.mlp\.linear_fc2\s+gather \(asked regather: base layer.*?input "
                      r"recomputed from the MLP activation \(gelu\)", flat)
     assert "keeps its input: decoder.layers.0.self_attention.linear_qkv: input_layernorm" in flat
+    # time: what the recompute itself took, clocked; no step-time ratio offered as its cost (issue 48)
+    assert re.search(r"the \+recompute run spent [\d.]+ ms a step rebuilding its inputs, [\d.]+ % of its step", flat)
+    assert "The step times themselves are not a cost" in flat and "0.44 % of a step" in flat
+    assert not re.search(r"median step time \(ms\)(\s+[\d.]+){4}", out)  # three times, no ratio column
+    assert re.search(r"^\s+of which rebuilding inputs \(ms\)\s+-\s+-\s+[\d.]+$", out, flags=re.M)
+
+
+def test_demo_stopped_by_its_timeout_says_so_in_one_line():
+    """A --timeout the run exceeds ends the command with one line naming it, not a TimeoutError traceback."""
+    proc = subprocess.run([sys.executable, "-m", "regather", "demo", "--steps", "5", "--hidden", "64", "--seq", "32",
+                           "--micro-batch", "2", "--timeout", "0.01"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("regather demo: ranks"), proc.stderr
+    assert "--timeout 0.01" in proc.stderr

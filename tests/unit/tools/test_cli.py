@@ -25,8 +25,13 @@ def test_doctor_and_estimate_print_the_same_saving():
     assert "= regather estimate's 'regather' row with the same arguments" in doctor.stdout
     # the summary first; one line per adapter only with --verbose
     lines = doctor.stdout.splitlines()
-    assert lines[3].startswith("LoRA-A inputs per GPU") and "decoder.layers.0" not in doctor.stdout
+    first = next(i for i, line in enumerate(lines) if line.startswith("LoRA-A inputs per GPU (modelled)"))
+    assert "decoder.layers.0" not in doctor.stdout
     assert max(map(len, lines)) <= 120 and doctor.stderr == ""
+    # how the figures were obtained, before them: rules, not a built model; bytes modelled, none on a GPU
+    said = " ".join(" ".join(lines[:first]).split())
+    assert "how obtained: decisions from regather's eligibility rules" in said and "bytes modelled" in said
+    assert "none measured on a GPU" in said
 
 
 @pytest.mark.parametrize("argv", [["--model", "qwen3-8b", "--tp", "2", "--seq", "8192"],
@@ -38,6 +43,9 @@ def test_estimate_fits_120_columns(argv):
     out = regather("estimate", *argv)
     assert out.returncode == 0 and out.stderr == "", out.stderr
     assert max(map(len, out.stdout.splitlines())) <= 120
+    # every figure says how it was obtained, above the figures (torchtitan's too)
+    head = " ".join(out.stdout.split("\n\n[")[0].split())
+    assert "how obtained:" in head and "none measured on a GPU yet" in head
 
 
 def test_doctor_verbose_lists_every_adapter():
@@ -94,7 +102,25 @@ REFUSED = [
     (["bench", "--render", "/nonexistent/bench.json"], ["/nonexistent/bench.json", "No such file"]),
     (["bench", "--targets", "linear_q"], ["'linear_q'", "linear_qkv", "with --canonical"]),
     (["doctor", "--te-version", "abc"], ["'abc'", "2.18"]),
-    (["estimate", "--model", "qwen3-8b", "--experts", "8"], ["--experts 8", "Qwen3-8B", "--topk and --moe-ffn"]),
+    (["estimate", "--model", "qwen3-8b", "--num-experts", "8"], ["--num-experts 8", "Qwen3-8B", "--topk and --moe-ffn"]),
+    # issue 48, as a new user met it: each refused before any work, in the sub-command's name
+    (["estimate", "--experts", "8"], ["'8'", "sequential, grouped", "the number of experts is --num-experts 8"]),
+    (["demo", "--timeout", "0"], ["--timeout", "0 is not a positive number"]),
+    (["bench", "--timeout", "0"], ["--timeout", "0 is not a positive number"]),
+    (["bench", "--out", "/proc/nope"], ["--out /proc/nope", "cannot write there"]),
+    (["estimate", "--model", "qwen3-8b", "--redispatch-expert-inputs"], ["--redispatch-expert-inputs",
+                                                                         "Qwen3-8B has no experts"]),
+    (["estimate", "--model", "qwen3-8b", "--expert-lora", "per-expert"], ["--expert-lora per-expert",
+                                                                          "Qwen3-8B has no experts"]),
+    (["estimate", "--later-stage", "--pp", "1"], ["--later-stage needs --pp > 1"]),
+    (["estimate", "--targets", "linear_qkv,linear_qkv"], ["linear_qkv named more than once"]),
+    (["bench", "--render", "bench.json", "--moe"], ["--render", "--moe", "runs nothing"]),
+    (["estimate", "--hiden", "64"], ["unknown flag --hiden", "did you mean --hidden"]),
+    (["bench", "--per-expert"], ["--per-expert is now --expert-lora per-expert"]),
+    (["bench", "--moe", "--dispatcher", "flex"], ["--dispatcher flex", "alltoall or allgather"]),
+    (["estimate", "--model", "qwen3-30b-a3b", "--tp", "4", "--ep", "4", "--dispatcher", "flex"],
+     ["--dispatcher flex", "alltoall and allgather"]),
+    (["bench", "--lora-alpha", "0"], ["--lora-alpha", "0 is not a positive number"]),
     ]
 
 
@@ -136,8 +162,121 @@ def test_help_says_what_a_flag_does():
     for command in ("doctor", "estimate", "bench", "demo"):
         text = regather(command, "--help").stdout
         assert "(default: True)" not in text and "(default: False)" not in text and "(default: None)" not in text
+        assert "``" not in text and ":mod:" not in text and ":class:" not in text, command  # no raw reST
+        assert len(text.split("\n\n")[1]) > 100, command  # a description of what the command does
+        assert "--tp TP tensor parallel size" in " ".join(text.split()), command  # every flag has its help
     doctor = " ".join(regather("doctor", "--help").stdout.split())
     assert "sequence parallelism off" in doctor
     # docs/tools.md's convention: 2 for what the parser sees, 1 for a layout refused after parsing
     assert "1 when a finding is an error or a layout is refused after parsing" in doctor
     assert "2 for what the command line's parser refuses" in doctor
+
+
+# -- issue 48: the CLI as one tool, sizes that are the user's, reports that say what they are ---------------
+
+
+def test_version():
+    from regather import __version__
+
+    for argv in (["--version"], ["estimate", "--version"]):
+        done = regather(*argv)
+        assert done.returncode == 0 and done.stdout == f"regather {__version__}\n", done
+
+
+def test_custom_sizes_are_the_users():
+    """The sizes given win: no preset's query groups or head width inherited, no preset's name, no Bridge
+    recipe; the bytes are estimate's for exactly these sizes (bench measures them byte for byte:
+    tests/distributed/tools/test_bench.py), and giving the derived sizes changes nothing."""
+    import json
+
+    from regather.tools.estimate import Model, Run, estimate
+
+    argv = ["estimate", "--spec", "local", "--hidden", "64", "--layers", "2", "--heads", "4", "--ffn", "128", "--tp",
+            "2", "--seq", "64", "--micro-batch", "2", "--dtype", "float32"]
+    plain, explicit = regather(*argv, "--json"), regather(*argv, "--json", "--kv-heads", "4", "--head-dim", "16")
+    assert plain.returncode == explicit.returncode == 0, plain.stderr + explicit.stderr
+    assert plain.stdout == explicit.stdout
+    doc = json.loads(plain.stdout)
+    assert doc["model"] | {"vocab": None} == {"name": "custom", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 4,
+                                              "head_dim": 16, "ffn": 128, "experts": 0, "moe_ffn": 0, "topk": 0,
+                                              "vocab": None}
+    model = Model(hidden=64, layers=2, heads=4, ffn=128)
+    run = Run(tp=2, seq=64, micro_batch=2, dtype="float32", spec="local")
+    want = estimate(model, run, tuple(doc["strategies"]))
+    assert doc["strategies"] == json.loads(json.dumps(want))
+    assert doc["strategies"]["gather"]["adapter_input_by_target"]["linear_proj"] == 2 * 64 * 2 * 64 * 4 // 2
+    text = regather(*argv, "--targets", "linear_qkv,linear_fc1")
+    assert text.returncode == 0 and text.stdout.startswith("custom: h=64, 2 layers"), text.stdout + text.stderr
+    assert "Qwen3-8B" not in text.stdout and "4 heads / 4 kv" in text.stdout
+    assert "Bridge PEFT recipe: none, custom sizes are no recipe's model" in text.stdout
+    assert "NOT the recipe's targets" not in text.stdout and "reference measured" not in text.stdout
+
+
+def test_lora_alpha_takes_a_number():
+    """torchtitan's alpha is a float: 16.5 passes the parser (here another flag is refused, so nothing runs)."""
+    done = regather("bench", "--lora-alpha", "16.5", "--heads", "5")
+    assert done.returncode == 1 and "--heads 5 is not divisible by --tp 2" in done.stderr, done.stderr
+    assert "alpha" not in done.stderr
+
+
+def test_one_vocabulary():
+    """A flag two commands take is the same flag: spelling, destination, accepted values, the help's own
+    text; every flag of every command comes from the vocabulary; every flag says what it does, and one
+    whose default is None says what that means."""
+    from regather.tools.cli import build_parser
+    from regather.tools.estimate.vocabulary import FLAGS
+
+    table = {name: flag for flag in FLAGS for name in flag.names}
+    seen: dict = {}
+    for command, parser in build_parser().commands.items():
+        for action in parser._actions:
+            if action.dest in ("help", "version"):
+                continue
+            flag = table[action.option_strings[0]]  # KeyError: a flag added outside the vocabulary
+            assert action.help and action.help.startswith(flag.help), (command, action.option_strings)
+            if action.default is None and action.nargs != 0:
+                assert "default" in action.help, (command, action.option_strings, action.help)
+            shape = (tuple(action.option_strings), action.dest, action.choices, action.type, action.metavar)
+            assert seen.setdefault(action.option_strings[0], shape) == shape, (command, action.option_strings)
+    shared = {name for name, flag in table.items() if len(flag.commands) > 1}
+    assert {"--experts", "--num-experts", "--dispatcher", "--expert-lora", "--tp", "--seq", "--targets"} <= shared
+
+
+def test_lora_docstring_names_every_field():
+    import dataclasses
+
+    import regather
+
+    doc = regather.LoRA.__doc__
+    assert all(f"``{f.name}``" in doc for f in dataclasses.fields(regather.LoRA))
+    assert "Megatron Bridge's fields" in doc and "regather's additions" in doc
+
+
+REPORTS = [("cpu-recompute", "regather bench: GPT 2 layers, hidden 512", ["time inside the producers' recomputes"]),
+           ("cpu-moe", "regather bench --moe: MoE GPT", ["re-dispatches: rank 0's"]),
+           ("cpu-torchtitan", "regather bench --torchtitan: torchtitan llama3", ["LoRA over frozen, allocator: "])]
+
+
+@pytest.mark.parametrize("name,title,said", REPORTS, ids=[r[0] for r in REPORTS])
+def test_bench_report_opens_with_what_ran_on_what_and_its_columns(name, title, said, tmp_path):
+    """What a run prints (here: re-printed from the committed bench.json, the same function) opens with the
+    model and run, 'measured on CPU', the command and a legend of the columns, before any table."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / name / "bench.json"
+    done = regather("bench", "--render", str(path))
+    assert done.returncode == 0, done.stderr
+    head = done.stdout.split("\n\n")[0]
+    flat = " ".join(head.split())
+    assert head.startswith(title) and "measured on CPU (gloo): 2 ranks on" in flat and "\ncommand: regather bench" in head
+    assert "\ncolumns:\n" in head and all(s in " ".join(done.stdout.split()) for s in said), head
+    assert head.rstrip().endswith("CPU times show relative cost only; absolute times need a GPU.")
+    assert max(map(len, done.stdout.splitlines())) <= 120
+    if name == "cpu-torchtitan":  # under --ac the report says which bytes count
+        summary = json.loads(path.read_text())
+        summary["spec"]["ac"] = "selective"
+        (tmp_path / "bench.json").write_text(json.dumps(summary))
+        flat = " ".join(regather("bench", "--render", str(tmp_path / "bench.json")).stdout.split())
+        assert "--ac selective: the saved-tensor hooks see nothing a checkpointed block keeps" in flat
+        assert "the allocator column is the figure that counts" in flat

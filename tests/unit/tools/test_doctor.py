@@ -326,7 +326,7 @@ def test_cli_moe_flags(capsys, monkeypatch):
     from regather.tools.cli import main
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    assert main(["doctor", "--moe", "--experts", "grouped", "--no-share-expert-adapters", "--recompute-adapter-inputs",
+    assert main(["doctor", "--moe", "--experts", "grouped", "--expert-lora", "per-expert", "--recompute-adapter-inputs",
                  "--ep", "2", "--etp", "2", "--num-experts", "8", "--topk", "4", "--moe-ffn", "32",
                  "--dispatcher", "allgather", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -334,7 +334,7 @@ def test_cli_moe_flags(capsys, monkeypatch):
     (f,) = [f for f in out["findings"] if f["code"] == "redispatch-available"]
     # allgather over EP x ETP = 4 ranks: T*g*h*e*(g-1)/g = 32*4*64*2*3/4 bytes per layer, 2 layers
     assert f"all_gather {2 * 32 * 4 * 64 * 2 * 3 // 4:,}" in f["message"]
-    assert main(["doctor", "--moe", "--experts", "grouped", "--no-share-expert-adapters", "--recompute-adapter-inputs",
+    assert main(["doctor", "--moe", "--experts", "grouped", "--expert-lora", "per-expert", "--recompute-adapter-inputs",
                  "--redispatch-expert-inputs"]) == 0
     assert "input recomputed from the router's input, dispatched again in backward" in capsys.readouterr().out
 
@@ -357,6 +357,8 @@ def _parsed(command: str, argv: list[str]):
     ["--recipe", "qwen3-8b-peft-1gpu", RC], ["--recipe", "llama3-70b-peft-8gpu", RC],
     ["--recipe", "qwen3-8b-reference", RC], ["--model", "qwen3-30b-a3b", "--tp", "4", "--ep", "4", RC],
     ["--model", "gpt-oss-120b", "--ep", "8", RC], ["--model", "llama3-8b", "--targets", "linear_qkv,linear_fc2", RC],
+    ["--model", "tiny", RC], ["--hidden", "1024", "--heads", "8", "--layers", "4", RC],
+    ["--model", "qwen3-30b-a3b", "--tp", "4", "--ep", "4", "--experts", "sequential", RC],
 ], ids=lambda a: " ".join(a) or "defaults")
 def test_doctor_and_estimate_agree_to_the_byte(argv):
     """The same command line (doctor's own options left out) gives estimate's model and run, and the

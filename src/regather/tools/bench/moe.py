@@ -64,9 +64,11 @@ class MoEBenchSpec(BenchSpec):
 
         out = []
         if self.dispatcher not in DISPATCHERS:
-            out.append(f"--dispatcher {self.dispatcher!r}: expected one of {', '.join(DISPATCHERS)}")
+            out.append(f"--dispatcher {self.dispatcher}: the CPU bench runs {' or '.join(DISPATCHERS)} (the flex "
+                       "dispatcher needs DeepEP on GPUs, and regather cannot replay its route)")
         if not self.share_expert_adapters and self.experts != "grouped":
-            out.append("--per-expert needs --experts grouped (SequentialMLP experts always have an adapter each)")
+            out.append("--expert-lora per-expert needs --experts grouped (SequentialMLP experts always have an adapter "
+                       "each)")
         if min(self.tp, self.ep, self.etp) < 1:
             out.append("--tp, --ep and --etp must be at least 1")
         elif self.world % self.tp or self.world % (self.ep * self.etp):

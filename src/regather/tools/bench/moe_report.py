@@ -18,7 +18,7 @@ KIND_ORDER = ALL_TARGETS + ("shared_experts.linear_fc1", "shared_experts.linear_
 
 
 def per_expert(spec: dict) -> bool:
-    """One LoRA pair per local expert asked (``--per-expert``): ``share_expert_adapters`` off, or, in
+    """One LoRA pair per local expert asked (``--expert-lora per-expert``): ``share_expert_adapters`` off, or, in
     a bench.json written before the shapes were shared, ``per_expert``."""
     return spec.get("per_expert", not spec.get("share_expert_adapters", True))
 
@@ -29,7 +29,7 @@ def command_line(spec: dict, out: str | None = None) -> str:
             "--dispatcher", spec["dispatcher"], "--num-experts", spec["num_experts"], "--topk", spec["topk"],
             "--moe-ffn", spec["moe_ffn"]]
     if per_expert(spec):
-        opts += ["--per-expert"]
+        opts += ["--expert-lora", "per-expert"]
     if spec.get("shared_expert_ffn"):
         opts += ["--shared-expert-ffn", spec["shared_expert_ffn"]]
     if spec.get("moe_layer_freq", 1) != 1:
@@ -37,6 +37,31 @@ def command_line(spec: dict, out: str | None = None) -> str:
     if out:
         opts += ["--out", out]
     return report.command_line(spec) + " " + " ".join(shlex.quote(str(o)) for o in opts)
+
+
+#: what each column means (docs/design.md §7), the report's legend
+COLUMNS = [
+    ("LoRA-A inputs by adapter kind", "unique storages LoRA-A saved in the first forward (saved-tensor hooks), every "
+                                      "layer's adapters of that kind summed, mean over the ranks: expert rows depend "
+                                      "on each rank's routing, their mean over the expert-parallel group does not (it "
+                                      "is what regather estimate models)"),
+    ("retained", "every unique storage autograd saved in the first forward, parameters excluded, mean over the ranks"),
+    ("comm", "bytes received per rank in one step under ring algorithms, every collective (megatron-core's dispatch "
+             "included), mean over the ranks and the steps after the first (the first also checks each MoE layer's "
+             "route once under the expert recompute: comm_bytes_first_step_mean in bench.json)"),
+    ("extra vs gather / vs its strategy", "the variant's comm minus gather's / minus its strategy's without options, "
+                                          "by kind"),
+    ("median step ms", "the slowest rank's step time, median of the steps after the warm-up"),
+    ("x gather, x its strategy", "median step time / the other's, and paired: the median of per-step ratios (the "
+                                 "variants' steps interleave in one process group, order rotated each step)"),
+    ("max Δloss, max Δgrad", "against gather / its strategy: the largest |loss difference| over the steps, the largest "
+                             "|LoRA gradient difference| over every rank's last step; rel: divided by the "
+                             "reference's largest |gradient|"),
+    ("re-dispatches", "rank 0's, by when they started (early: when the experts' output gradient arrived), their time "
+                      "in flight per step and how much of it backward waited for"),
+]
+SAME_START = ("Every variant starts from the same full weights (GlobalLayout + full_weights) and sees the same "
+              "batches.")
 
 
 def _unit(summary: dict) -> tuple[str, float]:
@@ -153,7 +178,9 @@ def notes(summary: dict) -> list[str]:
 def text_table(summary: dict) -> str:
     unit, _ = _unit(summary)
     ranks = summary["world"]
-    lines = [f"LoRA-A input bytes of the first forward by adapter kind, {unit}, mean over the {ranks} ranks:"]
+    lines = report.opening(summary, "regather bench --moe", ranks, spec_line(summary["spec"], ranks), COLUMNS,
+                           [SAME_START])
+    lines += [f"LoRA-A input bytes of the first forward by adapter kind, {unit}, mean over the {ranks} ranks:"]
     lines += report.text_rows(*bytes_rows(summary))
     lines += ["", f"communication per step, {unit}, mean over the ranks and the steps after the first:"]
     lines += report.text_rows(*comm_rows(summary))
@@ -180,6 +207,7 @@ def spec_line(spec: dict, world: int) -> str:
 def markdown(summary: dict) -> str:
     spec, unit = summary["spec"], _unit(summary)[0]
     lines = report.header(summary, "regather bench --moe", summary["world"], spec_line(spec, summary["world"]))
+    lines += report.markdown_legend(COLUMNS, [SAME_START])
     lines += [f"LoRA-A input bytes of the first forward by adapter kind ({unit}, mean over the ranks; per rank in "
               "bench.json: `adapter_input_by_kind_per_rank`):", ""]
     lines += report.markdown_rows(*bytes_rows(summary))
@@ -187,22 +215,9 @@ def markdown(summary: dict) -> str:
     lines += report.markdown_rows(*comm_rows(summary))
     lines += ["", "Step time (slowest rank per step) and parity:", ""]
     lines += report.markdown_rows(*time_rows(summary))
-    lines += [""] + [f"- {n}" for n in notes(summary)] + [
-        "",
-        "Definitions (docs/design.md §7): *LoRA-A inputs* and *retained* = unique storages autograd saved in the",
-        "first forward (parameters excluded), by adapter kind (every layer's adapters of that kind summed),",
-        "mean over the ranks: expert rows depend on each rank's routing, their mean over the expert-parallel",
-        "group does not; *comm* = bytes received per rank in one step under ring algorithms, every collective",
-        "(megatron-core's dispatch included), mean over the ranks and over steps 2..n (the first step also",
-        "checks each MoE layer's route once under the expert recompute: `comm_bytes_first_step_mean`);",
-        "*extra* = the variant minus gather / minus its own strategy without options. Step times: slowest rank",
-        "per step, median after warm-up; *paired* = median of per-step ratios (the variants' steps interleave",
-        "in one process group, order rotated each step). Parity: max |Δloss| over the steps; max |Δgrad| over",
-        "every rank's last-step LoRA gradients, relative = divided by the reference's largest |gradient|.",
-        "Every variant starts from the same full weights (GlobalLayout + full_weights) and sees the same batches.",
-    ]
+    lines += [""] + [f"- {n}" for n in notes(summary)] + [""]
     if summary["backend"] == "gloo":
-        lines.append("CPU times show relative cost only; absolute times need a GPU.")
+        lines.append(report.CPU_TIMES)
     return "\n".join(lines) + "\n"
 
 

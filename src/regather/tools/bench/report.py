@@ -1,7 +1,8 @@
 """Present a benchmark summary: terminal table, markdown, JSON, PNG chart.
 
-Every output states where the numbers came from: the hardware, the torch and
-megatron-core versions, and the exact command.
+Every output opens with what ran, on what and how (:func:`opening`: the model and run, "measured on
+CPU" or GPU, the hardware, the torch and megatron-core versions, the exact command) and what each column
+means (:data:`COLUMNS`, :func:`legend`), before the tables.
 """
 
 from __future__ import annotations
@@ -132,6 +133,62 @@ HEADER = ["strategy", "retained MiB", "adapter-input MiB", "comm MiB/step", "ext
           "median step ms", "x gather", "x gather (paired)", "x variant's strategy (median / paired)",
           "max Δloss", "max Δgrad (rel)", "adapters"]
 
+#: what each column of the dense bench means (docs/design.md §7), its report's legend
+COLUMNS = [
+    ("retained", "unique storages autograd saved for backward in the first forward, parameters excluded "
+                 "(counted by saved-tensor hooks), rank 0"),
+    ("adapter-input", "the part of retained that LoRA-A saved"),
+    ("comm", "bytes received per rank in one training step under ring algorithms, every collective (megatron-core's "
+             "own included); extra: minus gather's, by kind"),
+    ("median step ms", "the slowest rank's step time, median of the steps after the warm-up"),
+    ("x gather", "median step time / gather's, measured in the same process group, the strategies' steps "
+                 "interleaved; paired: the median of the per-step ratios"),
+    ("x variant's strategy", "a variant (regather-plain, ...-recompute) against the strategy it varies, median / "
+                             "paired"),
+    ("max Δloss, max Δgrad", "against gather: the largest |loss difference| over the steps, the largest |LoRA "
+                             "gradient difference| of the last step (rank 0); rel: divided by the largest |gradient|"),
+]
+#: the sentence every CPU report carries
+CPU_TIMES = "CPU times show relative cost only; absolute times need a GPU."
+
+
+def measured_on(summary: dict) -> str:
+    """``"CPU (gloo)"`` or ``"GPU (nccl)"``: what the figures were measured on."""
+    return "GPU (nccl)" if summary.get("backend") == "nccl" else f"CPU ({summary.get('backend', 'gloo')})"
+
+
+def opening(summary: dict, title: str, ranks: int, spec_line: str, columns: list, notes: list[str] = ()) -> list[str]:
+    """The terminal report's first lines: what ran (the model and run, the command), on what (the hardware
+    and software, measured on CPU or GPU), what each column means (``columns``: ``(name, meaning)``), and
+    ``notes`` on how the figures were obtained."""
+    env = summary.get("env", {})
+    hw = f"{env.get('cpu_count', '?')} x {env.get('cpu', 'unknown CPU')}" + (f", GPU {env['gpu']}" if env.get("gpu")
+                                                                               else "")
+    lines = [f"{title}: {spec_line}",
+             f"measured on {measured_on(summary)}: {ranks} ranks on {hw}; Python {env.get('python', '?')}, torch "
+             f"{env.get('torch', '?')}, {software(summary)}, regather {env.get('git', 'unknown')}"
+             + (f"; {summary['wall_seconds']:.0f} s wall" if "wall_seconds" in summary else ""),
+             f"command: {summary.get('command', '(not recorded)')}",
+             "columns:"]
+    lines += [f"  {name}: {meaning}" for name, meaning in columns]
+    lines += list(notes)
+    if summary.get("backend", "gloo") == "gloo":
+        lines.append(CPU_TIMES)
+    return wrapped(lines) + [""]
+
+
+def software(summary: dict) -> str:
+    """The framework the run measured, with its version."""
+    if summary.get("mode") == "torchtitan":
+        return f"torchtitan {summary.get('torchtitan', 'unknown')}"
+    return f"megatron-core {summary.get('env', {}).get('megatron_core', '?')}"
+
+
+def markdown_legend(columns: list, notes: list[str] = ()) -> list[str]:
+    """What each column means, as markdown (after the header, before the tables)."""
+    return (["What each column means (docs/design.md §7):", ""] + [f"- *{name}*: {meaning}" for name, meaning in columns]
+            + ([""] + list(notes) if notes else []) + [""])
+
 
 def scaled(n: float, scale: float, digits: int = 2) -> str:
     """``n / scale`` with thousands separators and ``digits`` decimals (a table cell)."""
@@ -178,11 +235,26 @@ def markdown_rows(head: list[str], rows: list[list[str]]) -> list[str]:
 
 def text_table(summary: dict) -> str:
     cells = rows(summary)
-    lines = text_rows(HEADER[:-1], [r[:-1] for r in cells])  # adapters: listed below
+    lines = opening(summary, "regather bench", summary["spec"]["tp"], _spec_line(summary["spec"]), COLUMNS)
+    lines += text_rows(HEADER[:-1], [r[:-1] for r in cells])  # adapters: listed below
     lines += ["", "adapters running each strategy:"] + wrapped([f"{r[0]}: {r[-1]}" for r in cells])
     if summary.get("canonical_inputs"):
         lines += [""] + wrapped(canonical_lines(summary))
+    timed = recompute_lines(summary)
+    if timed:
+        lines += [""] + wrapped([RECOMPUTE_TIME + ":"] + [f"  {t}" for t in timed])
     return "\n".join(lines)
+
+
+#: what the recompute lines are
+RECOMPUTE_TIME = ("time inside the producers' recomputes (the norm / activation rerun in backward; clocked around "
+                  "each call, slowest rank per step, median after warm-up)")
+
+
+def recompute_lines(summary: dict) -> list[str]:
+    """Per variant with producers, the time its recomputes took per step and their share of the step."""
+    return [f"{n}: {r['median_recompute_time'] * 1e3:.2f} ms per step, {r['recompute_share_of_step'] * 100:.2f} % "
+            "of the step" for n, r in ordered(summary) if "median_recompute_time" in r]
 
 
 def canonical_lines(summary: dict) -> list[str]:
@@ -217,7 +289,7 @@ def header(summary: dict, title: str, ranks: int, spec_line: str) -> list[str]:
         f"# {title}",
         "",
         f"- command: `{summary['command']}`",
-        f"- hardware: {hw}; backend {summary['backend']}, {ranks} ranks",
+        f"- measured on {measured_on(summary)}: {hw}, {ranks} ranks",
         f"- software: Python {env['python']}, torch {env['torch']}, megatron-core {env['megatron_core']}, "
         f"regather {env.get('git', 'unknown')}",
         f"- model/run: {spec_line}",
@@ -228,37 +300,22 @@ def header(summary: dict, title: str, ranks: int, spec_line: str) -> list[str]:
 
 def markdown(summary: dict) -> str:
     spec = summary["spec"]
-    lines = header(summary, "regather bench", spec["tp"], _spec_line(spec)) + [
+    lines = header(summary, "regather bench", spec["tp"], _spec_line(spec)) + markdown_legend(COLUMNS) + [
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join("---" if i == 0 or i == len(HEADER) - 1 else "---:" for i in range(len(HEADER))) + "|",
     ]
     lines += ["| " + " | ".join(r) + " |" for r in rows(summary)]
-    lines += [
-        "",
-        "Definitions (docs/design.md §7): *retained* = unique storages autograd saved for backward at the end of",
-        "the first forward (parameters excluded), *adapter-input* = the part LoRA-A saved; *comm* = bytes",
-        "received per rank in one training step under ring algorithms, all collectives including",
-        "megatron-core's own; step times are the slowest rank's, medians after warm-up, with the ratio",
-        "to the gather path measured in the same process group with steps interleaved; *paired* is the",
-        "median of per-step ratios. Loss and gradient differences are against the gather path (rank 0,",
-        "last step's LoRA gradients; relative = divided by the largest |gradient|). A variant",
-        "(`regather-plain`, `…-recompute`) is also timed against the strategy it varies, same pairing.",
-    ]
     if summary.get("canonical_inputs"):
         head, *body = canonical_lines(summary)
         lines += ["", head, ""] + [f"- {line.strip()}" for line in body] + [
             "", "On the gather path regather's CanonicalLoRA keeps exactly the bytes of Bridge's (counted by",
             "storage in tests/distributed/megatron/bridge/test_bridge_canonical.py); regather and lowrank keep one x_local per",
             "fused linear, shared by its adapters; with recompute, the norm's input, which the norm keeps anyway."]
-    timed = [(n, r) for n, r in ordered(summary) if "median_recompute_time" in r]
+    timed = recompute_lines(summary)
     if timed:
-        lines += ["", "Time inside the producers' recomputes (the norm / activation rerun in backward; clocked "
-                  "around each call, slowest rank per step, median after warm-up):", ""]
-        lines += [f"- {n}: {r['median_recompute_time'] * 1e3:.2f} ms per step, "
-                  f"{r['recompute_share_of_step'] * 100:.2f} % of the step" for n, r in timed]
-        lines.append("")
+        lines += ["", RECOMPUTE_TIME[0].upper() + RECOMPUTE_TIME[1:] + ":", ""] + [f"- {t}" for t in timed] + [""]
     if summary["backend"] == "gloo":
-        lines.append("CPU times show relative cost only; absolute times need a GPU.")
+        lines.append(CPU_TIMES)
     return "\n".join(lines) + "\n"
 
 

@@ -203,6 +203,8 @@ def recompute_counts(decisions: dict) -> dict:
 
 def summarise(per_rank: list, spec: BenchSpec) -> dict:
     """Rank 0's bytes, losses and gradients; step times are the slowest rank's per step."""
+    from regather.tools.cpu.train import recompute_clock
+
     rank0 = per_rank[0]
     ref = rank0["gather"]
     rows = {}
@@ -228,7 +230,7 @@ def summarise(per_rank: list, spec: BenchSpec) -> dict:
             "max_abs_loss_diff": max(abs(a - b) for a, b in zip(res["loss"], ref["loss"])),
             "max_abs_grad_diff": grad_abs,
             "max_rel_grad_diff": grad_rel,
-            **_recompute_clock(per_rank, name, spec),
+            **recompute_clock([r[name] for r in per_rank], spec.steps, spec.warmup),
             "adapters_by_strategy": decision_counts(res["decisions"]),
             "adapter_inputs": recompute_counts(res["decisions"]),
             "decisions": res["decisions"],
@@ -268,19 +270,6 @@ def canonical_inputs(rows: dict, spec: BenchSpec) -> dict:
         labels = row["saved_bytes_by_label"]
         out["strategies"][name] = sum(int(labels.get(f"{ADAPTER_INPUT}:{base}", 0)) for base in _SPLIT)
     return out
-
-
-def _recompute_clock(per_rank: list, name: str, spec: BenchSpec) -> dict:
-    """Seconds per step spent in the producers' recomputes (slowest rank per step), and their
-    median share of the step, for runs whose adapters have producers."""
-    if not all("recompute_time" in r[name] for r in per_rank):
-        return {}
-    spent = [max(r[name]["recompute_time"][i] for r in per_rank) for i in range(spec.steps)]
-    steps = [max(r[name]["step_time"][i] for r in per_rank) for i in range(spec.steps)]
-    timed = list(zip(spent, steps))[spec.warmup:] or list(zip(spent, steps))
-    return {"recompute_times": spent,
-            "median_recompute_time": statistics.median(a for a, _ in timed),
-            "recompute_share_of_step": statistics.median(a / b for a, b in timed)}
 
 
 def step_time_ratios(row: dict, ref: dict, what: str, warmup: int) -> None:

@@ -25,6 +25,44 @@ NOT_COUNTED = ("not counted under --compile: the collective counter's dispatch m
                "would make Dynamo recompile the blocks; bytes are the allocator's")
 
 
+#: what each column means (docs/design.md §7), the report's legend
+COLUMNS = [
+    ("wqkv ... w3, all LoRA-A inputs", "what the adapters of that kind saved for LoRA-A in the first forward, every "
+                                       "layer summed (saved-tensor hooks; torchtitan's LoRALinear labels nothing: its "
+                                       "LoRA-A calls are labelled for the count, numerics unchanged; w1 and w3 read "
+                                       "one storage, counted under w1; wo's input is the attention's own saved output, "
+                                       "counted there)"),
+    ("LoRA over frozen", "retained minus the frozen model's (no adapter, same run): the LoRA-A inputs plus the rank-r "
+                         "tensors LoRA-B keeps"),
+    ("retained", "unique storages autograd saved in the first forward, parameters excluded, rank 0 (every rank's "
+                 "equal)"),
+    ("LoRA over frozen, allocator", "what the forward leaves alive by the allocator's count, over the frozen model's "
+                                    "(regather.core.allocated.AllocatedBytes, the smallest of a few steps): the figure "
+                                    "that counts under --ac and --compile, where saved-tensor hooks see neither what "
+                                    "a checkpoint caches nor what a compiled graph saves"),
+    ("forward / backward / optimizer / step", "bytes received per rank under ring algorithms by phase of the first "
+                                              "step, every collective (DTensor's redistributions included); extra: "
+                                              "minus torchtitan's LoRA, by kind"),
+    ("median step ms", "the slowest rank's step time, median of the steps after the warm-up"),
+    ("x torchtitan, x its strategy", "median step time / the other's, and paired: the median of per-step ratios (the "
+                                     "variants' steps interleave in one process group, order rotated each step)"),
+    ("max Δloss, max Δgrad", "against torchtitan's LoRA: the largest |loss difference| over the steps, the largest "
+                             "|gradient difference| of the last step's trainable gradients (full tensors); rel: "
+                             "divided by torchtitan's largest |gradient|"),
+]
+SAME_START = "Every variant starts from the same parameter values (each from its name) and sees the same batches."
+
+
+def counted(summary: dict) -> list[str]:
+    """Which bytes count for this run: under --ac the hooks are blind inside the checkpointed blocks."""
+    ac = summary["spec"].get("ac", "none")
+    if ac == "none" or _compiled(summary):
+        return []
+    return [f"--ac {ac}: the saved-tensor hooks see nothing a checkpointed block keeps, so the hook columns (LoRA-A "
+            "inputs, LoRA over frozen, retained) count only what is saved outside the blocks; the allocator column "
+            "is the figure that counts."]
+
+
 def _compiled(summary: dict) -> bool:
     return bool(summary["spec"].get("compile"))
 
@@ -112,7 +150,9 @@ def notes(summary: dict) -> list[str]:
 def text_table(summary: dict) -> str:
     unit, _ = _unit(summary)
     what = "the allocator's bytes" if _compiled(summary) else f"LoRA-A inputs by adapter kind: {', '.join(kinds(summary))}"
-    lines = [f"saved in the first forward per rank, {unit} ({what}):"]
+    lines = report.opening(summary, "regather bench --torchtitan", summary["spec"]["tp"], spec_line(summary["spec"]),
+                           COLUMNS, [SAME_START] + counted(summary))
+    lines += [f"saved in the first forward per rank, {unit} ({what}):"]
     lines += report.text_rows(*bytes_rows(summary))
     lines += ["", f"communication of the first step per rank, {unit}:"]
     lines += wrapped([NOT_COUNTED]) if _compiled(summary) else report.text_rows(*comm_rows(summary))
@@ -147,7 +187,7 @@ def header(summary: dict) -> list[str]:
 
 def markdown(summary: dict) -> str:
     unit = _unit(summary)[0]
-    lines = header(summary)
+    lines = header(summary) + report.markdown_legend(COLUMNS, [SAME_START] + counted(summary))
     what = "the allocator's bytes alive at the end of the forward" if _compiled(summary) else "LoRA-A inputs by adapter kind"
     lines += [f"Saved in the first forward, per rank ({unit}; {what}):", ""]
     lines += report.markdown_rows(*bytes_rows(summary))
@@ -155,25 +195,9 @@ def markdown(summary: dict) -> str:
     lines += [NOT_COUNTED] if _compiled(summary) else report.markdown_rows(*comm_rows(summary))
     lines += ["", "Step time (slowest rank per step) and parity with torchtitan's LoRA:", ""]
     lines += report.markdown_rows(*time_rows(summary))
-    lines += [""] + [f"- {n}" for n in notes(summary)] + [
-        "",
-        "Definitions (docs/design.md §7): *retained* = unique storages autograd saved in the first forward",
-        "(parameters excluded), rank 0 (every rank's equal: `saved_bytes_same_on_all_ranks`); *LoRA-A input",
-        "<kind>* = what the adapters of that kind saved for LoRA-A, every layer summed (torchtitan's",
-        "`LoRALinear` labels nothing: its LoRA-A calls are labelled for the count, numerics unchanged; `w1`",
-        "and `w3` read one storage, counted under `w1`, which runs first; `wo`'s input is the attention's own",
-        "saved output, counted there); *LoRA over frozen* = retained minus the frozen model's (no adapter,",
-        "same run): the LoRA-A inputs plus the rank-r tensors LoRA-B keeps. *Communication* = bytes received",
-        "per rank under ring algorithms, every collective (torchtitan's DTensor redistributions through",
-        "`CollectiveBytes(functional=True)` and regather's own), by phase of the first step; *extra* = the",
-        "variant minus torchtitan's LoRA, by kind. Step times: slowest rank per step, median after warm-up;",
-        "*paired* = median of per-step ratios (the variants' steps interleave in one process group, order",
-        "rotated each step). Parity: max |Δloss| over the steps, max |Δgrad| over the last step's trainable",
-        "gradients (full tensors), relative = divided by torchtitan's largest |gradient|. Every variant",
-        "starts from the same parameter values (each from its name) and sees the same batches.",
-    ]
+    lines += [""] + [f"- {n}" for n in notes(summary)] + [""]
     if summary["backend"] == "gloo":
-        lines.append("CPU times show relative cost only; absolute times need a GPU.")
+        lines.append(report.CPU_TIMES)
     return "\n".join(lines) + "\n"
 
 

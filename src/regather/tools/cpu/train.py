@@ -270,6 +270,20 @@ def _time_recomputes(model: torch.nn.Module) -> list | None:
     return clock if found else None
 
 
+def recompute_clock(runs: list[dict], steps: int, warmup: int) -> dict:
+    """Seconds per step spent in the producers' recomputes (``runs``: one strategy's result on every
+    rank; slowest rank per step) and their median share of the step, for a run whose adapters have
+    producers (empty otherwise)."""
+    if not all("recompute_time" in r for r in runs):
+        return {}
+    spent = [max(r["recompute_time"][i] for r in runs) for i in range(steps)]
+    step = [max(r["step_time"][i] for r in runs) for i in range(steps)]
+    timed = list(zip(spent, step))[warmup:] or list(zip(spent, step))
+    return {"recompute_times": spent,
+            "median_recompute_time": statistics.median(a for a, _ in timed),
+            "recompute_share_of_step": statistics.median(a / b for a, b in timed)}
+
+
 # -- several strategies in one process group ---------------------------------------
 
 

@@ -20,130 +20,42 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, replace
 
-from regather.megatron.reasons import ALL_TARGETS, DISPATCHERS
-from regather.tools.cmdline import WIDTH, HelpFormatter, names, positive, wrapped
-from regather.tools.doctor.setup import MOE_EXPERTS, Setup
-from regather.tools.estimate.config import LAYOUTS, PRESETS, SPECS
-from regather.tools.estimate.options import Given, apply_layout, attention, recipe_help, recipe_targets
-from regather.tools.shapes import DTYPE_BYTES, DTYPE_NAMES, EXPERT_KINDS
+from regather.megatron.reasons import ALL_TARGETS
+from regather.tools.cmdline import WIDTH, wrapped
+from regather.tools.doctor.setup import Setup
+from regather.tools.estimate.config import PRESETS
+from regather.tools.estimate.options import (
+    PRESET_RUN,
+    TINY_MOE,
+    apply_layout,
+    attention,
+    recipe_targets,
+    refuse_contradictions,
+    refuse_recipe,
+    sized,
+)
+from regather.tools.estimate.vocabulary import TINY, add_command
+from regather.tools.shapes import DTYPE_NAMES
 
 DESCRIPTION = (
     "What LoRA-A keeps and saves on your model and run, and what in your settings stands in the way. The model and "
-    "run are regather estimate's (a preset or sizes, --recipe, --spec te|local, micro-batch 1 by default); the "
-    "report starts with what the run saves per adapter kind and why the rest saves nothing, beside estimate's figure "
-    "for the same arguments, then the findings of the reference's failure-diagnosis table (the reference: Megatron "
-    "Bridge's own LoRA(sequence_parallel_input_regather=True), measured on H100s), each with its fix. Exit status 1 "
-    "when a finding is an error or a layout is refused after parsing (heads that do not divide over TP), 2 for what "
-    "the command line's parser refuses (an unknown choice, a size that is not a positive integer).")
-TINY = "tiny"  # --model tiny: the test GPT (Setup's defaults), what --build builds
+    "run are regather estimate's (a preset, the tiny test GPT or sizes, --recipe, --spec te|local, micro-batch 1 by "
+    "default); the report starts with what the run saves per adapter kind and why the rest saves nothing, beside "
+    "estimate's figure for the same arguments (modelled: no GPU measured it), then the findings of the reference's "
+    "failure-diagnosis table (the reference: Megatron Bridge's own LoRA(sequence_parallel_input_regather=True), "
+    "measured on H100s), each with its fix. Exit status 1 when a finding is an error or a layout is refused after "
+    "parsing (heads that do not divide over TP, flags that contradict each other), 2 for what the command line's "
+    "parser refuses (an unknown choice, a size that is not a positive integer).")
 DEFAULT_MODEL = "qwen3-8b"
 STRATEGIES = ("gather", "regather", "lowrank")
-#: megatron-core's TransformerConfig.recompute_modules choices
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-# --flag -> ModelShape field: the custom sizes (over the preset's, or the tiny GPT's)
-_SIZES = {"hidden": "hidden", "layers": "layers", "heads": "heads", "kv_heads": "kv_heads", "head_dim": "head_dim",
-          "ffn": "ffn", "num_experts": "num_experts", "moe_ffn": "moe_ffn", "topk": "topk"}
-# a preset's run, where the command line says nothing (estimate's defaults)
-_PRESET_RUN = {"seq": 8192, "micro_batch": 1, "lora_rank": 16}
-
-
-def _targets(value: str) -> tuple:
-    return names(value, ALL_TARGETS, "targets")
-
-
-def _recompute_modules(value: str) -> tuple:
-    return names(value, RECOMPUTE_MODULES, "recompute modules")
-
-
-def _te_version(value: str) -> str:
-    """``--te-version``: a version TE could have (``2.18``, ``2.18.0``, ``2.4.0.dev0+abc``)."""
-    from regather.megatron.dense.te_rule import version_tuple
-
-    if version_tuple(value) is None:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a Transformer Engine version such as 2.18 or 2.18.0")
-    return value
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "doctor", help="what LoRA-A keeps and saves on your model and run, every adapter's strategy, and the "
-                       "allocator / NCCL / offload settings that stand in the way",
-        description=DESCRIPTION,
-        formatter_class=HelpFormatter)
-    m = p.add_argument_group("model (regather estimate's presets; sizes override)")
-    m.add_argument("--model", choices=sorted(PRESETS) + [TINY], default=None, action=Given,
-                   help=f"preset (default {DEFAULT_MODEL}; {TINY}, the test GPT --build builds, with --build or --moe)")
-    for flag in ("hidden", "layers", "heads", "kv-heads", "head-dim", "ffn"):
-        m.add_argument(f"--{flag}", type=positive, default=None)
-    m.add_argument("--activation", choices=["gelu", "swiglu"], default=None,
-                   help="the MLP's activation (default: swiglu for a preset, gelu for the tiny GPT)")
-    m.add_argument("--no-bias", dest="add_bias_linear", action="store_false", default=None,
-                   help="add_bias_linear=False (a preset has none; the tiny GPT has biases)")
-    m.add_argument("--spec", choices=SPECS, default=None,
-                   help="what the base linears keep: te = Transformer Engine (what Bridge's PEFT recipes run; the "
-                        "default), local = megatron's local spec (what --build builds)")
-    m.add_argument("--attention", choices=["unfused", "fused"], default=None, action=Given,
-                   help="fused: the attention keeps its output (TE's fused attention, flash-attention). Default: "
-                        "fused on --spec te, unfused on --spec local")
-    e = p.add_argument_group("mixture of experts (a MoE preset, or --moe on the tiny GPT)")
-    e.add_argument("--moe", action="store_true", help="the tiny GPT's MLPs are experts (fc1/fc2 never re-gather)")
-    e.add_argument("--num-experts", type=positive, default=None, help=f"with --moe (default {MOE_EXPERTS})")
-    e.add_argument("--moe-ffn", type=positive, default=None)
-    e.add_argument("--topk", type=positive, default=None)
-    e.add_argument("--ep", type=positive, default=1, help="expert parallel size")
-    e.add_argument("--etp", type=positive, default=1, help="expert tensor parallel size")
-    e.add_argument("--experts", choices=EXPERT_KINDS, default=None,
-                   help="SequentialMLP or TEGroupedMLP experts (moe_grouped_gemm; a preset's default)")
-    e.add_argument("--dispatcher", choices=DISPATCHERS, default="alltoall", help="moe_token_dispatcher_type")
-    e.add_argument("--no-share-expert-adapters", dest="share_expert_adapters", action="store_false",
-                   help="grouped experts: one LoRA pair per expert (share_expert_adapters=False)")
-    e.add_argument("--redispatch-expert-inputs", action="store_true",
-                   help="LoRA(redispatch_expert_inputs=True): per-expert fc1 inputs dispatched again in backward")
-    r = p.add_argument_group("run")
-    r.add_argument("--tp", type=positive, default=2, action=Given, help="tensor parallel size")
-    r.add_argument("--no-sp", dest="sp", action=Given, nargs=0, const=False, default=True,
-                   help="sequence parallelism off")
-    r.add_argument("--seq", type=positive, default=None, action=Given,
-                   help="sequence length (default: 8192 for a preset, 32 for the tiny GPT)")
-    r.add_argument("--micro-batch", type=positive, default=None, action=Given,
-                   help="micro-batch size (default: 1 for a preset, as estimate; 2 for the tiny GPT)")
-    r.add_argument("--pp", type=positive, default=1, help="pipeline stages (layers per GPU = layers/pp)")
-    r.add_argument("--in-flight", type=positive, default=1, help="micro-batches alive at once")
-    r.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="as regather estimate's")
-    r.add_argument("--recipe", nargs="?", const=True, default=False, choices=sorted(LAYOUTS), metavar="LAYOUT",
-                   help=recipe_help(""))
-    lora = p.add_argument_group("LoRA")
-    lora.add_argument("--strategy", default="regather", choices=STRATEGIES,
-                      help="what LoRA asks for: gather (Bridge's default), regather "
-                           "(sequence_parallel_input_regather=True), lowrank")
-    lora.add_argument("--targets", type=_targets, default=None, action=Given,
-                      help=f"comma list (default: all of {','.join(ALL_TARGETS)}, or the recipe's)")
-    lora.add_argument("--lora-rank", type=positive, default=None, action=Given,
-                      help="LoRA dim (default: 16 for a preset, 8 for the tiny GPT, or the recipe's)")
-    lora.add_argument("--recompute-adapter-inputs", action="store_true",
-                      help="LoRA(recompute_adapter_inputs=True): which adapter inputs are rebuilt in backward, from what")
-    lora.add_argument("--input-requires-grad", action="store_true",
-                      help="the decoder input requires grad (Bridge's maybe_enable_recompute_inputs_grad, HF's "
-                           "enable_input_require_grads): layer 0's producers then keep their input")
-    lora.add_argument("--bridge-lora", action="store_true",
-                      help="the run uses Megatron Bridge's own LoRA (--strategy regather: with "
-                           "sequence_parallel_input_regather=True): checks what it asks Transformer Engine for")
-    lora.add_argument("--te-version", default=None, type=_te_version,
-                      help="the Transformer Engine version of the run (default: the one installed here, if any)")
-    f = p.add_argument_group("features that change eligibility or the allocator")
-    f.add_argument("--use-nccl-ub", action="store_true", help="NCCL user-buffer registration (nccl_ub)")
-    f.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs (cuda_graph_impl)")
-    f.add_argument("--cpu-offloading", action="store_true", help="activation offloading to CPU")
-    f.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    f.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    f.add_argument("--recompute-modules", type=_recompute_modules, default=(),
-                   help="comma list, some of " + ", ".join(RECOMPUTE_MODULES))
-    o = p.add_argument_group("output")
-    o.add_argument("--build", action="store_true",
-                   help="build the tiny GPT on --tp CPU gloo ranks and ask its adapters (regather.decisions, then "
-                        "each adapter's decision in one training step for the recompute checks)")
-    o.add_argument("--verbose", action="store_true", help="every adapter's decision, one line each")
-    o.add_argument("--json", action="store_true", help="everything as JSON")
+    p = add_command(subparsers, "doctor", help="what LoRA-A keeps and saves on your model and run, every adapter's "
+                    "strategy, and the allocator / NCCL / offload settings that stand in the way",
+                    description=DESCRIPTION, titles={"model": "model (regather estimate's presets; sizes override)",
+                                                     "experts": "mixture of experts (a MoE preset, or --moe on "
+                                                                f"{TINY})"})
     p.set_defaults(func=main)
 
 
@@ -166,35 +78,37 @@ def setup_from_args(args) -> Setup:
     if args.build and spec != "local":
         raise SystemExit("regather doctor --build: builds megatron's local spec on CPU; --spec te is modelled only "
                          "(leave --build out)")
-    base = Setup() if tiny else Setup(**_preset_fields(key), activation="swiglu", add_bias_linear=False,
-                                      model_name=PRESETS[key].name, **_PRESET_RUN)
-    sizes = {field: getattr(args, flag) for flag, field in _SIZES.items() if getattr(args, flag) is not None}
-    moe = args.moe or base.moe or bool(args.num_experts)
-    if args.moe and not tiny and not base.moe:
+    if args.moe and not tiny and not PRESETS[key].moe:
         raise SystemExit(f"regather doctor --moe: {PRESETS[key].name} has no experts; MoE presets: "
                          + ", ".join(k for k, m in sorted(PRESETS.items()) if m.moe) + f", or --model {TINY}")
-    if moe and not base.moe:
-        sizes.setdefault("num_experts", MOE_EXPERTS)
-    elif not moe and any(f in sizes for f in ("moe_ffn", "topk")):
-        raise SystemExit("regather doctor: --moe-ffn / --topk describe experts: add --moe (or a MoE preset)")
-    targets = args.targets or ALL_TARGETS
-    targets, rank = recipe_targets(args, targets, args.lora_rank or base.lora_rank)
-    if getattr(args, "recipe", False) is True and key not in _recipe_presets():
-        raise SystemExit(f"regather doctor --recipe: no Megatron Bridge PEFT recipe is known for {key}; recipes: "
-                         + ", ".join(_recipe_presets()))
+    base = (replace(Setup(), **TINY_MOE) if args.moe else Setup()) if tiny else Setup(
+        **_preset_fields(key), activation="swiglu", add_bias_linear=False, model_name=PRESETS[key].name, **PRESET_RUN)
+    refuse_recipe(args, key, "doctor")
+    sizes, name = sized(args, base, base.model_name, "doctor", tiny=tiny)
+    moe = sizes.get("num_experts", base.num_experts) > 0
+    refuse_contradictions(args, moe, name, "doctor")
+    if args.redispatch_expert_inputs and not args.recompute_adapter_inputs:
+        raise SystemExit("regather doctor: --redispatch-expert-inputs rebuilds expert inputs in backward: it needs "
+                         "--recompute-adapter-inputs (LoRA refuses redispatch_expert_inputs without "
+                         "recompute_adapter_inputs)")
+    bad = [t for t in args.targets or () if t not in ALL_TARGETS]
+    if bad:
+        raise SystemExit(f"regather doctor: targets {bad}: doctor reasons about megatron's fused linears, "
+                         f"{', '.join(ALL_TARGETS)}")
+    targets, rank = recipe_targets(args, tuple(args.targets or ALL_TARGETS), args.lora_rank or base.lora_rank)
     setup = replace(
         base, **sizes, experts=args.experts or base.experts, dispatcher=args.dispatcher, ep=args.ep, etp=args.etp,
-        share_expert_adapters=args.share_expert_adapters, redispatch_expert_inputs=args.redispatch_expert_inputs,
+        share_expert_adapters=args.expert_lora == "shared", redispatch_expert_inputs=args.redispatch_expert_inputs,
         tp=args.tp, pp=args.pp, sp=args.sp, seq=args.seq or base.seq, micro_batch=args.micro_batch or base.micro_batch,
-        in_flight=args.in_flight, dtype=DTYPE_NAMES.get(args.dtype, args.dtype), strategy=args.strategy, targets=tuple(targets), lora_rank=rank,
+        in_flight=args.in_flight, dtype=DTYPE_NAMES.get(args.dtype, args.dtype), strategy=args.strategy,
+        targets=targets, lora_rank=rank,
         use_nccl_ub=args.use_nccl_ub, cuda_graphs=args.cuda_graphs, cpu_offloading=args.cpu_offloading,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_modules=tuple(args.recompute_modules), recompute_adapter_inputs=args.recompute_adapter_inputs,
         input_requires_grad=args.input_requires_grad, activation=args.activation or base.activation,
         add_bias_linear=base.add_bias_linear if args.add_bias_linear is None else args.add_bias_linear, spec=spec,
         attention_keeps_output=attention(argparse.Namespace(attention=args.attention, spec=spec)) == "fused",
-        model_name=base.model_name + (" (custom)" if sizes and not tiny else ""),
-        bridge_lora=getattr(args, "bridge_lora", False), te_version=getattr(args, "te_version", None) or _installed_te())
+        model_name=name, bridge_lora=args.bridge_lora, te_version=args.te_version or _installed_te())
     _check(setup)
     return setup
 
@@ -209,12 +123,6 @@ def _preset_fields(key: str) -> dict:
     from regather.tools.shapes import ModelShape, shape_fields
 
     return shape_fields(ModelShape, PRESETS[key])
-
-
-def _recipe_presets() -> list[str]:
-    from regather.tools.estimate.config import RECIPES
-
-    return sorted(RECIPES)
 
 
 def _check(setup: Setup) -> None:
@@ -243,6 +151,17 @@ def header(setup: Setup, built: bool) -> str:
             f"({'built model' if built else 'eligibility rules'})")
 
 
+def how_obtained(setup: Setup, built: bool) -> str:
+    """How the report's decisions and bytes were obtained (none of it measured on a GPU)."""
+    decisions = (f"decisions asked of the {setup.model_name} built on {setup.tp} CPU gloo ranks (megatron's local "
+                 "spec, one training step)" if built else
+                 "decisions from regather's eligibility rules (no model built: --build asks a tiny GPT on CPU ranks)")
+    spec = ("spec te: the qkv / fc1 / fc2 rules measured on the Transformer Engine model on CPU, linear_proj's and "
+            "the experts' read in TE's source" if setup.spec == "te" else
+            "the local spec: they match regather bench's counts on CPU byte for byte")
+    return f"how obtained: {decisions}; bytes modelled, regather estimate's formulas ({spec}); none measured on a GPU"
+
+
 def main(args, env: Mapping[str, str] | None = None) -> int:
     import json
     import textwrap
@@ -262,7 +181,7 @@ def main(args, env: Mapping[str, str] | None = None) -> int:
                           "findings": [asdict(f) for f in findings]}, indent=1))
     else:
         shown = [f for f in findings if args.verbose or f.code not in ("adapter", "saving")]
-        out = wrapped([header(setup, args.build)])
+        out = wrapped([header(setup, args.build), how_obtained(setup, args.build)])
         out += lines(setup, summ)
         if shown:
             out += ["", "findings:"]

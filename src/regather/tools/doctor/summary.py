@@ -104,7 +104,8 @@ def te_release(setup: Setup) -> dict:
 
 def lines(setup: Setup, summ: dict) -> list[str]:
     """The summary as the command prints it (wrapped at :data:`WIDTH`)."""
-    out = [f"LoRA-A inputs per GPU: the gather path keeps {gb(summ['gather'])}; this run saves {gb(summ['saved'])}"]
+    out = [f"LoRA-A inputs per GPU (modelled): the gather path keeps {gb(summ['gather'])}; this run saves "
+           f"{gb(summ['saved'])}"]
     est = summ["estimate"]
     if "refused" in est:
         out.append(f"  (regather estimate refuses this layout: {est['refused']})")

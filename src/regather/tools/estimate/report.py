@@ -47,6 +47,9 @@ def reference_for(preset: str, model: Model, run: Run) -> dict | None:
 
 
 UNFUSED = "megatron's unfused local attention saves the probabilities and V, not its output"
+#: how the local spec's figures are obtained (the TE spec's: spec.HOW_OBTAINED, in spec_lines)
+LOCAL_HOW = ("how obtained: modelled from the sizes (regather.tools.estimate's formulas, which match regather bench's "
+             "counts on CPU byte for byte: small dense and MoE models, tested); none measured on a GPU yet")
 
 
 def _names(targets) -> str:
@@ -66,12 +69,13 @@ def recipe_difference(recipe, run: Run) -> str | None:
     return None
 
 
-def same_work(preset: str, model: Model, run: Run, reference: dict | None = None) -> dict:
+def same_work(preset: str | None, model: Model, run: Run, reference: dict | None = None) -> dict:
     """What ``--recipe`` / ``--targets`` / ``--lora-rank`` / ``--attention`` add to the report: the
     targets this estimate adapts beside Bridge's PEFT recipe for the preset and the reference (which
     does not state its targets), whether linear_proj's input is new bytes, and the most any
     re-gather can free on these targets (the gathered input of every eligible adapter)."""
-    recipe = RECIPES.get(preset)  # the preset's, also with custom sizes (its LoRA does not depend on them)
+    recipe = RECIPES.get(preset)  # the preset's, also where --model names it and sizes change it (its LoRA
+    # does not depend on them); None for a model no preset names
     eligible = eligible_per_layer(model, run)
     gathered = adapter_input_bytes(model, run, "gather")
     out = {
@@ -87,6 +91,8 @@ def same_work(preset: str, model: Model, run: Run, reference: dict | None = None
                               else f"new bytes on every strategy: {UNFUSED}"),
         "regather_bound": sum(gathered.get(name, 0) for name in eligible),
     }
+    if preset is None:  # custom sizes with no --model: no recipe is this model's
+        out["custom"] = True
     if run.spec != LOCAL:  # only where it is not the local spec: the local document is unchanged
         out["spec"] = run.spec
     out["reference_exceeds_bound"] = bool(reference and reference["seq_stated"]
@@ -98,7 +104,8 @@ def _same_work_lines(sw: dict, reference: dict | None) -> list[str]:
     recipe = sw["recipe"]
     lines = []
     if recipe is None:
-        lines.append("  Bridge PEFT recipe: none known for this preset")
+        lines.append("  Bridge PEFT recipe: none, custom sizes are no recipe's model" if sw.get("custom") else
+                     "  Bridge PEFT recipe: none known for this preset")
     else:
         verdict = sw["differs_from_recipe"] or "the recipe's targets and dim"
         lines.append(f"  Bridge {recipe['bridge']} PEFT recipe {recipe['function']} (its layout {recipe['layout']}): "
@@ -116,7 +123,8 @@ def _same_work_lines(sw: dict, reference: dict | None) -> list[str]:
 def model_json(model: Model) -> dict:
     """The ``"model"`` entry of ``--json`` (its keys are the output format: ``experts`` is the count)."""
     return {"name": model.name, "hidden": model.hidden, "layers": model.layers, "heads": model.heads,
-            "kv_heads": model.kv_heads, "head_dim": model.head_dim, "ffn": model.ffn, "experts": model.num_experts,
+            "kv_heads": model.kv_heads or model.heads, "head_dim": model.head_dim or model.hidden // model.heads,
+            "ffn": model.ffn, "experts": model.num_experts,
             "moe_ffn": model.moe_ffn, "topk": model.topk, "vocab": model.vocab}
 
 
@@ -155,6 +163,10 @@ def as_json(model: Model, run: Run, result: dict, reference: dict | None = None,
 
 
 def gb(n: int) -> str:
+    """Bytes in decimal GB and GiB; between 0 and 10 MB (a small custom model's, the tiny GPT's) as bytes and
+    KiB, which GB would round to 0 (as doctor prints them)."""
+    if n and abs(n) < 10**7:
+        return f"{n:,} bytes ({n / 1024:,.2f} KiB)"
     return f"{n / 1e9:.3f} GB ({n / 2**30:.3f} GiB)"
 
 
@@ -203,7 +215,7 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
                              "frozen embeddings (needs no grad; --input-requires-grad: as with Bridge's "
                              "maybe_enable_recompute_inputs_grad / HF's enable_input_require_grads)"),
     ]
-    lines += spec_lines(run)
+    lines += spec_lines(run) if run.spec != LOCAL else [LOCAL_HOW]
     if reference:
         lines.append(f"reference measured ({REFERENCE_IS}; {reference['note']}): {gb(reference['saved'])}"
                      + (f"; this estimate: LoRA on {_names(run.targets)}, r={run.lora_rank} (the reference does "
