@@ -86,6 +86,13 @@ class LoRA:
       inputs are rebuilt, from what, and why one is kept (``regather.decisions(model)``).
     - ``redispatch_expert_inputs`` (False, needs ``recompute_adapter_inputs``): a per-expert LoRA-A on an
       expert ``linear_fc1`` rebuilds its input by dispatching the router's input again in backward.
+    - ``lean_transients`` (None: on for every strategy but ``"gather"``): no full-width LoRA buffer at any
+      moment — LoRA's output added into the base's in place, in row chunks, its scale on the rank-r side;
+      a row-parallel adapter's LoRA-B on its own sequence shard; LoRA-A's input gradient added into the
+      base's in place (docs/design.md §3.7). True makes the gather path lean too; False keeps the classic
+      output path (Megatron Bridge's, bit for bit). Bit-identical to the classic path where ``alpha / dim``
+      is a power of two, except a row-parallel adapter's LoRA-B weight gradient under SP (another
+      summation order).
     - ``activation`` (``"identity"``): between LoRA-A and LoRA-B (``relu``, ``gelu``, ``silu``, ``swish``; as
       Bridge's adapter's); anything but identity keeps the gather path.
     - ``a2a_experts`` (False): Bridge's adapter's ``a2a_experimental``; such an adapter keeps the gather path.
