@@ -120,6 +120,9 @@ class LoRA(BridgeLoRA):
     # experts: regather.megatron.moe.inputs), and per-expert LoRA-A inputs by re-dispatching the router's input
     recompute_adapter_inputs: bool = False
     redispatch_expert_inputs: bool = False
+    # LoRA's output added into the base's in place, in row chunks (regather.core.peak); None: for every
+    # strategy but gather, whose classic output is Bridge's bit for bit
+    lean_transients: bool | None = None
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
@@ -163,6 +166,7 @@ class LoRA(BridgeLoRA):
             redispatch_expert_inputs=self.redispatch_expert_inputs,
             share_expert_adapters=self.share_expert_adapters,
             normalize_moe_lora=self.normalize_moe_lora,
+            lean_transients=self.lean_transients,
         )
 
     def to_cfg_dict(self) -> dict:

@@ -8,11 +8,12 @@ import torch.distributed as dist
 
 from regather.core import comm, mappings
 from regather.core.buffers import ScratchPool
+from regather.core.peak.junction import attach
 from regather.core.recompute.producers import NormProducer
 from regather.core.recompute.sources import KEEP, Recomputed
 from regather.core.strategies.gather import gather_linear_a
 from regather.core.strategies.lowrank import lowrank_linear_a
-from regather.core.strategies.regather import anchor, new_slot, regather_linear_a
+from regather.core.strategies.regather import new_slot, regather_linear_a
 from regather.core.strategies.shared_gather import SharedGather
 
 
@@ -77,7 +78,8 @@ def _path(kind: str, x, a, group, dim, pool, source=KEEP, share=None):
         return regather_linear_a(x, a, group, False, pool, None, source, share, dim)
     if kind == "regather-early":
         slot = new_slot(x, group, pool, early=True, share=share, seq_dim=dim)
-        mid = regather_linear_a(anchor(x, a, slot), a, group, False, pool, slot, source, share, dim)
+        anchored = attach(x, a, slot) if slot.defer else x  # the deferred dA's junction (core.peak.junction)
+        mid = regather_linear_a(anchored, a, group, False, pool, slot, source, share, dim)
         if mid.requires_grad:
             mid.register_hook(slot.on_output_grad)
         return mid

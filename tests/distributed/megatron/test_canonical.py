@@ -5,7 +5,9 @@ One spawn (workers_canonical.canonical_suite) computes everything; megatron-core
 
 Tolerances:
 - gather vs regather (early and plain), also vs each other: bit-exact (rtol=atol=0) — the same
-  GEMMs on the same operands; every strategy computes each adapter's own GEMMs.
+  GEMMs on the same operands; every strategy computes each adapter's own GEMMs. Every build is lean
+  (``workers_canonical.LEAN``), the gather path too: the classic gather path sums the row-parallel
+  targets' LoRA-B weight gradient in another order (docs/design.md §3.7).
 - results that are not the same GEMMs — lowrank vs gather (another summation order), TP=1 vs TP=2
   (same full weights: other GEMM splits, other TP reductions) and the fused rank-3r reference at
   TP=1 — agree only to rounding, and how much depends on the machine's kernels (1e-6 and 1e-5 of

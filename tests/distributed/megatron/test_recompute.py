@@ -2,6 +2,10 @@
 TP=2 on 2 gloo ranks (TP=1 and SP off too), every variant against the gather path without
 recompute in the same spawn.
 
+Every variant is built lean (``LoRA(lean_transients=True)``, the gather path too: a lean row-parallel
+adapter sums LoRA-B's weight gradient in another order than the classic gather path, docs/design.md
+§3.7), but in the setup ``classic``: the defaults, the gather path classic.
+
 Bit-exact (``rtol=0, atol=0``) for regather (early, plain, shared) and the gather path with
 recompute (only fc2 recomputes there); lowrank against gather within the stated tolerance
 (norm-relative per tensor: fp32 1e-6, bf16 2e-2, as tests/distributed/megatron/test_lowrank.py) and
@@ -78,6 +82,11 @@ MATRIX = {
     "sp_off_swiglu_bf16": Setup(("gather", "gather-rc", "regather-rc", "lowrank", "lowrank-rc"), sp=False,
                                 dtype="bfloat16", input_grad=True, frozen_baseline=True,
                                 model=dict(SWIGLU, add_bias_linear=False, bias_activation_fusion=True)),
+    # TP2 + SP beside the frozen model: a lean row adapter keeps its mid on its sequence shard
+    "sp_input_grad": Setup(SMALL, input_grad=True, frozen_baseline=True),
+    # every setup above builds every variant lean (workers_recompute.Setup.lean); here the defaults: the
+    # classic gather path (Megatron Bridge's), with and without recompute
+    "classic": Setup(("gather", "gather-rc"), input_grad=True, frozen_baseline=True, lean=None),
 }
 BYTES_SCHEDULES = ("plain", "interleaved")
 
@@ -425,16 +434,24 @@ def test_qwen_like_saving_is_the_whole_adapter_input(matrix):
 FROZEN = [(s, v) for s, setup in MATRIX.items() for v in setup.variants if setup.frozen_baseline]
 
 
-def rank_r_bytes(setup: Setup) -> int:
+def lean(setup: Setup, variant: str) -> bool:
+    """Whether ``variant``'s adapters are lean (``LoRA(lean_transients=setup.lean)``; None: all but gather's)."""
+    return variant.split("-")[0] != "gather" if setup.lean is None else setup.lean
+
+
+def rank_r_bytes(setup: Setup, variant: str) -> int:
     """What every adapter adds besides its LoRA-A input: LoRA-B's input ``mid [s, b, r]`` (the
     rank-r activation, gathered over r for a column-parallel adapter, reduced for a row-parallel
-    one), one per adapter."""
-    return 4 * L * SHAPE.seq_length * setup.micro_batch * 8 * elt(setup)  # LoRA dim 8 (workers_recompute.build)
+    one; lean, scaled first), one per adapter; a lean row-parallel adapter under SP keeps it on its
+    sequence shard, ``[s/t, b, r]`` (regather.core.peak.row)."""
+    s, b, r, t = SHAPE.seq_length, setup.micro_batch, 8, setup.tp  # LoRA dim 8 (workers_recompute.build)
+    row_s = s // t if lean(setup, variant) and setup.sp and t > 1 else s
+    return L * (2 * s + 2 * row_s) * b * r * elt(setup)  # per layer: qkv and fc1; proj and fc2
 
 
 @pytest.mark.parametrize("setup,variant", FROZEN, ids=[f"{s}-{v}" for s, v in FROZEN])
 def test_lora_over_the_frozen_model(matrix, setup, variant):
-    """TP = 1 and TP > 1 with SP off (Bridge's shipped layouts), the decoder input requiring grad:
+    """TP = 1 and TP > 1 with SP off (Bridge's shipped layouts), and TP2 + SP, the decoder input requiring grad:
     LoRA adds over the frozen model (no LoRA, every weight frozen, same step) exactly its LoRA-A
     inputs plus one rank-r tensor per adapter; with recompute the LoRA-A inputs are linear_proj's
     alone (the local spec's attention keeps no output: its input is new bytes), every qkv / fc1 /
@@ -445,11 +462,13 @@ def test_lora_over_the_frozen_model(matrix, setup, variant):
         frozen = matrix.ranks(setup)[rank]["results"][setup]["frozen"]
         extra = r["saved_total"] - frozen["saved_total"]
         assert frozen["saved_total"] > 0 and r["input_dx"] and frozen["input_dx"][0] is not None
-        assert extra == adapter_input_bytes(st, variant, r["decisions"]) + rank_r_bytes(st), \
+        assert extra == adapter_input_bytes(st, variant, r["decisions"]) + rank_r_bytes(st, variant), \
             (rank, extra, r["saved_by_label"], frozen["saved_by_label"])
-        if variant.endswith("-rc"):
+        # every input but linear_proj's rebuilt; not the gather path's qkv / fc1 inputs under SP, which it
+        # keeps (adapter_input_bytes counts them above)
+        if variant.endswith("-rc") and not (st.sp and t > 1 and variant.startswith("gather")):
             assert r["saved_adapter_input"] == L * s * b * h // t * elt(st), r["saved_by_label"]
-            assert extra == L * s * b * h // t * elt(st) + rank_r_bytes(st)
+            assert extra == L * s * b * h // t * elt(st) + rank_r_bytes(st, variant)
 
 
 RC_TWINS = [(s, v) for s, setup in MATRIX.items() for v in setup.variants

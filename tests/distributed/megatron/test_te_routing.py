@@ -191,9 +191,11 @@ def test_gpt_lora_over_the_frozen_model(gpt_spawns, case):
     linear, which keeps no input with a frozen weight), the decoder input requiring grad, recompute
     on: the allocator's bytes after the forward over the frozen model's. Where every input is rebuilt
     (TP1, SP off; regather and lowrank under SP; fc2 from the activation's input everywhere) they are
-    the adapters' rank-r tensors alone: LoRA-B's input ``mid [s, b, r]`` per adapter (and lowrank's
-    fallback copy of its LoRA-A rows at TP2 with SP off). The gather path under SP keeps its gathered
-    copy, and TE its shard, as without recompute."""
+    the adapters' rank-r tensors alone: LoRA-B's input ``mid [s, b, r]`` per adapter — but fc2's under
+    SP where it is lean (regather's and lowrank's default, not the classic gather path's): its
+    sequence shard ``[s/t, b, r]`` (regather.core.peak.row) — (and lowrank's fallback copy of its
+    LoRA-A rows at TP2 with SP off). The gather path under SP keeps its gathered copy, and TE its
+    shard, as without recompute."""
     behaviour, layout, strategy = case
     tp, sp = GPT_LAYOUTS[layout]
     shape, e = gpt_shape(), 4
@@ -202,8 +204,10 @@ def test_gpt_lora_over_the_frozen_model(gpt_spawns, case):
     for rank, res in enumerate(gpt_spawns.ranks((behaviour, layout))):
         frozen, got = res[(behaviour, layout, "frozen")], res[(behaviour, layout, strategy)]
         extra = got["alive"] - frozen["alive"]
-        rank_r = shape.layers * 3 * mid + (column * GPT_DIM // tp * shape.hidden * e
-                                           if strategy == "lowrank" and layout == "tp2" else 0)
+        # fc2 (row-parallel) under SP: lean by default but for the gather path (LoRA(lean_transients=None))
+        fc2_mid = mid // tp if sp and tp > 1 and strategy != "gather" else mid
+        rank_r = shape.layers * (2 * mid + fc2_mid) + (column * GPT_DIM // tp * shape.hidden * e
+                                                       if strategy == "lowrank" and layout == "tp2" else 0)
         print(f"rank {rank} {behaviour} {layout} {strategy}: LoRA over the frozen GPT {extra} B "
               f"(rank-r tensors {rank_r} B)")
         decisions = got["decisions"]

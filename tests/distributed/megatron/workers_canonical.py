@@ -40,6 +40,10 @@ VARIANTS = {"gather": ("gather", True), "plain": ("regather", False), "early": (
 SUBSETS = {"q+v": ["linear_q", "linear_v"], "fc1_up": ["linear_fc1_up"]}
 ALL_TARGETS = ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate", "linear_fc2"]
 QKV, FC1 = "self_attention.linear_qkv", "mlp.linear_fc1"
+# lean_transients of every build, the gather path included, so that the strategies are compared like
+# for like: linear_proj and linear_fc2 are row-parallel targets, whose lean LoRA-B weight gradient is
+# summed per sequence shard (another order than the classic gather path's, docs/design.md §3.7)
+LEAN = True
 
 _STATE = {"tp": None}
 
@@ -77,7 +81,7 @@ def canonical(variant: str = "early", tp: int = TP, dtype=torch.float32, fuse: b
     torch.manual_seed(seed)
     peft = CanonicalLoRA(target_modules=list(targets or ALL_TARGETS), dim=DIM, alpha=ALPHA,
                          lora_B_init_method="normal", sequence_parallel_input_strategy=strategy,
-                         early_regather=early, **lora)
+                         early_regather=early, **{"lean_transients": LEAN, **lora})
     model = peft(model, training=True)
     if fuse:  # what megatron DDP gives every trainable parameter
         for p in model.parameters():
@@ -106,7 +110,8 @@ def fused_lora(variant: str = "early", tp: int = TP, targets=("linear_qkv", "lin
     strategy, early = VARIANTS[variant]
     torch.manual_seed(seed)
     return LoRA(target_modules=list(targets), dim=dim, alpha=alpha, lora_B_init_method="normal",
-                sequence_parallel_input_strategy=strategy, early_regather=early, **lora)(model, training=True)
+                sequence_parallel_input_strategy=strategy, early_regather=early,
+                **{"lean_transients": LEAN, **lora})(model, training=True)
 
 
 class SpyPool(ScratchPool):

@@ -148,8 +148,10 @@ def gpt_suite(rank, t, steps=2):
     for share in (False, True):
         for variant, (strategy, early) in VARIANTS.items():
             model = build_gpt(shape, tp=t)
+            # lean on every variant, gather too: the row-parallel targets' lean LoRA-B weight gradient is
+            # another summation order than the classic gather path's (docs/design.md §3.7)
             LoRA(dim=8, alpha=16, lora_B_init_method="normal", sequence_parallel_input_strategy=strategy.value,
-                 early_regather=early, share_sequence_gather=share)(model)
+                 early_regather=early, share_sequence_gather=share, lean_transients=True)(model)
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             losses, grads, comm, saved = [], None, None, None
             for step in range(steps):

@@ -62,6 +62,11 @@ class Setup:
     spec: str | None = None  # name in SPECS: a custom layer spec
     # also run the frozen model without LoRA (results key "frozen"): what LoRA adds over it
     frozen_baseline: bool = False
+    # LoRA(lean_transients=...) of every variant, the gather path included, so that variants are
+    # compared like for like (a lean row-parallel adapter sums LoRA-B's weight gradient per sequence
+    # shard, another order than the classic gather path's: docs/design.md §3.7); None: each
+    # strategy's default (lean but for the classic gather path)
+    lean: bool | None = True
 
     @property
     def torch_dtype(self):
@@ -261,7 +266,7 @@ def build(setup: Setup, variant: str):
     strategy, overrides = VARIANTS[variant]
     torch.manual_seed(99)  # adapter init: the same for every variant
     lora = LoRA(dim=8, alpha=16, lora_B_init_method="normal", sequence_parallel_input_strategy=strategy,
-                **overrides, **setup.lora)
+                lean_transients=setup.lean, **overrides, **setup.lora)
     model = lora(model, training=True)
     if setup.prepare in PREPARE:
         PREPARE[setup.prepare](model)

@@ -180,7 +180,10 @@ def recompute(rank, t, configs, only=None):
                 for layer in model.decoder.layers:
                     layer.recompute_mlp = False
             torch.manual_seed(99)
-            lora = LoRA(dim=8, alpha=16, lora_B_init_method="normal", sequence_parallel_input_strategy=st.value)
+            # lean on every strategy, gather too: like for like (the row-parallel targets' lean LoRA-B weight
+            # gradient is another summation order than the classic gather path's, docs/design.md §3.7)
+            lora = LoRA(dim=8, alpha=16, lora_B_init_method="normal", sequence_parallel_input_strategy=st.value,
+                        lean_transients=True)
             model = lora(model, training=True)
             # frozen embeddings: megatron's reentrant checkpoint needs an input that requires grad
             # (HF's enable_input_require_grads; Bridge does the same for PEFT + full recompute)

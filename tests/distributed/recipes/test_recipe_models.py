@@ -3,8 +3,12 @@ built by the recipes' own providers (shrunk: 2 layers, narrow; MoE 4 experts top
 architecture switch kept), TP2 + SP (EP2 for MoE) on 2 gloo ranks, local spec, fp32, adapted through
 Bridge's own ``_apply_peft_transformation``: ``regather.bridge.LoRA`` side by side with Bridge's
 ``LoRA(sequence_parallel_input_regather=True)`` from identical weights, on the recipe's own targets
-and on all four. Loss and every adapter gradient bit-identical (``torch.equal``), for regather and
-for ``recompute_adapter_inputs=True``; the bytes autograd keeps, per side.
+and on all four. Loss and every adapter gradient bit-identical (``torch.equal``) with the classic output
+(``lean_transients=False``, Bridge 0.6.2's); regather's default (lean, docs/design.md §3.7) and
+``recompute_adapter_inputs=True`` too but for the row-parallel adapters' (linear_proj, linear_fc2)
+LoRA-B weight gradient, summed per sequence shard (another order than Bridge's one GEMM): against the
+same model in float64 within three times Bridge's own error (tests.harness.numerics); the bytes autograd
+keeps, per side.
 
 One spawn of two ranks runs all three recipes (workers_recipes.side_by_side): each spawn pays the
 imports (Bridge and its model zoo: 20-60 s per rank on 2 shared cores)."""
@@ -14,6 +18,7 @@ import functools
 import pytest
 import torch
 import workers_recipes as W
+from tests.harness.numerics import check_rounding
 
 from regather.tools.cpu.dist import run_ranks
 
@@ -73,12 +78,24 @@ def test_bit_identical_to_bridge(recipe, targets):
         for n, g in ref["grads"].items():
             if ".experts." not in n:  # an expert may get no token; every other adapter has a gradient
                 assert g.abs().sum() > 0, (recipe, targets, n)
-        for side in ("regather", "recompute"):
+        rounded = [n for n in ref["grads"] if lean_row_b(n)]
+        assert rounded and len(rounded) % 2 == 0, rounded  # per layer: linear_proj's, and linear_fc2's on "all"
+        for side in ("classic", "regather", "recompute"):
             got = sides[side]
             assert got["names"] == ref["names"], (recipe, targets, side)
             assert torch.equal(got["loss"], ref["loss"]), (recipe, targets, side, got["loss"], ref["loss"])
             for n, g in ref["grads"].items():
-                assert torch.equal(got["grads"][n], g), (recipe, targets, side, n)
+                if side != "classic" and n in rounded:
+                    check_rounding(got["grads"][n], g, sides["fp64"]["grads"][n], f"{recipe} {targets} {side} {n}")
+                else:
+                    assert torch.equal(got["grads"][n], g), (recipe, targets, side, n)
+
+
+def lean_row_b(name: str) -> bool:
+    """A dense row-parallel adapter's LoRA-B weight, whose lean gradient sums in another order (module doc);
+    not an expert's (its tokens are the dispatcher's rows, not a sequence shard)."""
+    return ".experts." not in name and (".linear_proj.adapter.linear_out." in name
+                                        or ".linear_fc2.adapter.linear_out." in name)
 
 
 @pytest.mark.parametrize("targets", TARGET_SETS)
@@ -122,18 +139,22 @@ def test_what_recompute_drops_on_the_dense_recipe():
     embedding output and keeps nothing: its shard stays) and nothing of linear_proj (its input,
     the attention output, has no producer to rebuild it from). On all four targets it also drops
     linear_fc1's shard (rebuilt from the MLP norm) and linear_fc2's [S, B, F/T] input (rebuilt from
-    the activation) in every layer: what stays is then what the recipe's targets keep."""
+    the activation) in every layer: what stays is then what the recipe's targets keep. Beside Bridge's
+    re-gather: the classic output keeps the same bytes; lean (the default) keeps each row-parallel
+    adapter's mid on its sequence shard, [S/T, B, r] for [S, B, r]."""
     for r in runs():
         f = r["qwen3_8b"]["features"]
         s, b, h, ffn, t, layers = f["seq_length"], W.MICRO_BATCH, f["hidden"], f["ffn"], W.TP, f["num_layers"]
         shard, fc2_input = s // t * b * h * 4, s * b * ffn // t * 4
+        row_mid_cut = layers * (s * b * r["qwen3_8b"]["fields"]["dim"] * 4) * (t - 1) // t  # per row target
         recipe, every = (r["qwen3_8b"]["runs"][k] for k in ("recipe", "all"))
         assert recipe["regather"]["saved"] - recipe["recompute"]["saved"] == (layers - 1) * shard
         assert every["regather"]["saved"] - every["recompute"]["saved"] == (
             (layers - 1) * shard + layers * shard + layers * fc2_input)
-        assert every["recompute"]["saved"] == recipe["regather"]["saved"]
-        for side in ("bridge", "regather"):  # the same bytes as Bridge's own re-gather
-            assert recipe[side]["saved"] == recipe["bridge"]["saved"] and every[side]["saved"] == every["bridge"]["saved"]
+        assert every["recompute"]["saved"] == recipe["regather"]["saved"] - row_mid_cut  # fc2's mid: lean too
+        for runs_, rows in ((recipe, 1), (every, 2)):  # linear_proj; and linear_fc2 on all four
+            assert runs_["classic"]["saved"] == runs_["bridge"]["saved"]  # the same bytes as Bridge's re-gather
+            assert runs_["bridge"]["saved"] - runs_["regather"]["saved"] == rows * row_mid_cut
 
 
 def test_report_bytes(capsys):

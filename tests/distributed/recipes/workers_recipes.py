@@ -12,7 +12,12 @@ Sides, with the recipe's own LoRA fields (dim, alpha, dropout, init, ...):
 - ``bridge``: Bridge's ``LoRA(sequence_parallel_input_regather=True)``, the reference;
 - ``regather``: ``regather.bridge.LoRA(sequence_parallel_input_regather=True)``;
 - ``recompute``: the same with ``recompute_adapter_inputs=True`` (and ``redispatch_expert_inputs=True``
-  where expert linears are adapted: megatron's SequentialMLP gives each expert its own adapter).
+  where expert linears are adapted: megatron's SequentialMLP gives each expert its own adapter);
+- ``classic`` (the TP2 + SP recipe runs): ``regather`` with ``lean_transients=False``, the classic
+  output Bridge 0.6.2 has (regather's regather path is lean by default: docs/design.md §3.7);
+- ``fp64`` (the same): the ``classic`` side's function in float64 from the same weights (the fp32
+  sides' base weights loaded, the adapters filled alike), the reference of the lean row adapters' other
+  summation order (tests.harness.numerics).
 
 Target sets: the recipe's own (``recipe``) and all four (``all``); where they are the same set
 (GPT-OSS keeps Bridge's default LoRA) the run is made once.
@@ -31,6 +36,7 @@ MICRO_BATCH = 2
 SEED = 1234
 ALL_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 SIDES = ("bridge", "regather", "recompute")
+RECIPE_SIDES = SIDES + ("classic",)
 
 
 def lora_fields(peft) -> dict:
@@ -56,6 +62,8 @@ def make_peft(side: str, fields: dict, targets: list[str], experts_adapted: bool
         return BridgeLoRA(**kw)
     if side == "recompute":
         kw.update(recompute_adapter_inputs=True, redispatch_expert_inputs=experts_adapted)
+    if side in ("classic", "fp64"):
+        kw["lean_transients"] = False
     return regather.bridge.LoRA(**kw)
 
 
@@ -143,8 +151,9 @@ class AdapterKinds:
         return out
 
 
-def run_side(provider, peft, rank: int, base_state: dict | None) -> tuple[dict, dict]:
-    """Build, adapt (Bridge's _apply_peft_transformation), fill, one forward + backward."""
+def run_side(provider, peft, rank: int, base_state: dict | None, load: bool = False) -> tuple[dict, dict]:
+    """Build, adapt (Bridge's _apply_peft_transformation), fill, one forward + backward. ``load``: load
+    ``base_state`` (another dtype's model: the fp64 side) instead of checking the build made it."""
     from megatron.core import tensor_parallel
     from tests.harness import recipes as R
 
@@ -152,7 +161,10 @@ def run_side(provider, peft, rank: int, base_state: dict | None) -> tuple[dict, 
 
     model = R.build_model(provider, seed=SEED)
     state = {n: t.detach().clone() for n, t in model.state_dict().items() if torch.is_tensor(t)}
-    if base_state is not None:  # identical base weights on every side
+    if load:
+        report = model.load_state_dict(base_state, strict=False)
+        assert not report.unexpected_keys and state.keys() == base_state.keys(), report
+    elif base_state is not None:  # identical base weights on every side
         assert state.keys() == base_state.keys()
         for n, t in base_state.items():
             assert torch.equal(state[n], t), f"base weight {n} differs between sides"
@@ -165,7 +177,8 @@ def run_side(provider, peft, rank: int, base_state: dict | None) -> tuple[dict, 
     SavedBytes = saved_bytes_class()
     with SavedBytes.for_model(model) as saved:
         logits = model(inputs, position_ids, mask)
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+                                                            labels).mean()
     loss.backward()
     wrapped = {n: f"{type(m).__module__}.{type(m).__name__}" for n, m in model.named_modules()
                if n.rsplit(".", 1)[-1] in ALL_TARGETS}
@@ -202,10 +215,11 @@ def recipe_runs(rank: int, name: str) -> dict:
     for label, targets in target_sets.items():
         experts_adapted = recipe.moe and any(t in targets for t in ("linear_fc1", "linear_fc2"))
         runs = {}
-        for side in SIDES:
+        for side in RECIPE_SIDES:
             peft = make_peft(side, fields, targets, experts_adapted)
             runs[side], state = run_side(provider, peft, rank, base_state)
             base_state = base_state or state
+        runs["fp64"] = fp64_side(provider, make_peft("fp64", fields, targets, experts_adapted), rank, base_state)
         out["runs"][label] = runs
     if "all" not in out["runs"]:
         out["runs"]["all"] = out["runs"]["recipe"]
@@ -213,6 +227,18 @@ def recipe_runs(rank: int, name: str) -> dict:
     out["features"] = features(model, provider)
     out["seconds"] = time.monotonic() - start
     return out
+
+
+def fp64_side(provider, peft, rank: int, base_state: dict) -> dict:
+    """:func:`run_side` of ``provider`` made float64 (a copy), from ``base_state`` (module doc)."""
+    import copy
+
+    from regather.tools.cpu.models import keep_fp64_cross_entropy
+
+    keep_fp64_cross_entropy()  # megatron's cross entropy would round fp64 logits to fp32
+    p64 = copy.copy(provider)
+    p64.params_dtype = torch.float64
+    return run_side(p64, peft, rank, base_state, load=True)[0]
 
 
 def bridge_ready(rank: int) -> dict:

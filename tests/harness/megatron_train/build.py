@@ -79,7 +79,8 @@ def lora_config(spec: TrainSpec):
 
     base, overrides = STRATEGIES[spec.strategy]
     cfg = RunConfig(strategy=base, tp=spec.tp, lora_dim=spec.lora_dim, lora_alpha=spec.lora_alpha,
-                    targets=tuple(spec.targets), lora_B_init_method=spec.lora_B_init_method, seed=spec.seed)
+                    targets=tuple(spec.targets), lora_B_init_method=spec.lora_B_init_method, seed=spec.seed,
+                    lean_transients=spec.lean_transients)
     return dataclasses.replace(lora_for(cfg), **overrides)
 
 

@@ -60,6 +60,10 @@ class TrainSpec:
     lora_alpha: int = 16
     lora_B_init_method: str = "normal"  # non-zero B: LoRA-A gets a gradient from step 0
     targets: tuple = ALL_TARGETS
+    # LoRA(lean_transients=...) of every strategy, gather included, so that runs are compared like for
+    # like: a lean row-parallel adapter (linear_proj, linear_fc2) sums LoRA-B's weight gradient per
+    # sequence shard, another order than the classic gather path's (docs/design.md §3.7)
+    lean_transients: bool | None = True
     batch_p2p_comm: bool | None = None  # None: off with a virtual pipeline (gloo, §8)
     seed: int = 1234
     timeout_minutes: float = 1.0  # megatron's process groups (a stage waiting on a failed peer)

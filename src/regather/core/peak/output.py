@@ -72,10 +72,12 @@ def returned_in_place(ctx, out: torch.Tensor) -> torch.Tensor:
     """The forward's result after adding into :func:`in_place_target` (``out``): ``out`` marked dirty, as
     an in-place op returns it; a view can't be (autograd forbids an in-place op on a view that a custom
     Function returned — megatron's TP mappings return their input as is at one rank, Transformer
-    Engine's LayerNormLinear returns views), so a new view of it is returned: the base's output was a
-    view the caller could not modify in place before, and it can't after."""
+    Engine's LayerNormLinear returns views), so ``out.detach()`` is returned: the same storage and version
+    counter, not a view, so the caller may modify it in place as it could the classic ``base + LoRA``
+    (megatron's expert MLP adds its bias into ``linear_fc2``'s output, ``output += ...``, which at
+    TP = EP = 1 is the view its TP mapping returned); a new view would forbid that."""
     if out._is_view():
-        return out.view_as(out)
+        return out.detach()
     ctx.mark_dirty(out)
     return out
 

@@ -47,6 +47,8 @@ class RunConfig:
     swiglu: bool = False
     # regather.CanonicalLoRA (one adapter per q, k, v, gate, up) instead of LoRA; needs swiglu
     canonical: bool = False
+    # LoRA(lean_transients=...): None, each strategy's default (lean but for the classic gather path)
+    lean_transients: bool | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -90,6 +92,7 @@ def lora_for(cfg: RunConfig) -> LoRA:
         dim=cfg.lora_dim,
         alpha=cfg.lora_alpha,
         lora_B_init_method=cfg.lora_B_init_method,
+        **({} if cfg.lean_transients is None else {"lean_transients": cfg.lean_transients}),
         **overrides,
     )
     cls = LoRA

@@ -29,9 +29,9 @@ def bridge_peft():
     return import_bridge_peft()
 
 
-def base_model(tp: int = TP, config: dict | None = None):
+def base_model(tp: int = TP, config: dict | None = None, dtype=torch.float32):
     """``config``: TransformerConfig overrides (e.g. ``GATED``)."""
-    return build_gpt(SHAPE, tp, sequence_parallel=True, dtype=torch.float32, seed=SEED, **(config or {}))
+    return build_gpt(SHAPE, tp, sequence_parallel=True, dtype=dtype, seed=SEED, **(config or {}))
 
 
 def bridge_lora(regather: bool, **kw):
@@ -46,10 +46,11 @@ def bridge_model(regather: bool, tp: int = TP, config: dict | None = None, **kw)
     return bridge_lora(regather, **kw)([model], training=True)[0]
 
 
-def regather_model(strategy: str, tp: int = TP, adapter_seed: int = SEED + 11, config: dict | None = None, **kw):
+def regather_model(strategy: str, tp: int = TP, adapter_seed: int = SEED + 11, config: dict | None = None,
+                   dtype=torch.float32, **kw):
     from regather import LoRA
 
-    model = base_model(tp, config)
+    model = base_model(tp, config, dtype)
     torch.manual_seed(adapter_seed)  # regather's adapter init (an init other than Bridge's)
     return LoRA(target_modules=list(TARGETS), dim=DIM, alpha=ALPHA, sequence_parallel_input_strategy=strategy,
                 **kw)(model, training=True)
@@ -149,6 +150,9 @@ def parity_worker(rank: int, world_size: int) -> dict:
     for strategy in ("gather", "regather", "lowrank"):
         models[f"regather/{strategy}"] = regather_model(strategy)
         copy_adapters(reference, models[f"regather/{strategy}"])
+    # regather's path with the classic output, Bridge 0.6.2's bits (regather is lean by default)
+    models["regather/regather-classic"] = regather_model("regather", lean_transients=False)
+    copy_adapters(reference, models["regather/regather-classic"])
 
     # regather.bridge.LoRA through Bridge's protocol: a list of chunks, Bridge's freeze_model,
     # set_params_to_save, adapter_key_filter
@@ -178,6 +182,14 @@ def parity_worker(rank: int, world_size: int) -> dict:
             "wrapper_types": sorted({type(m).__module__ + "." + type(m).__name__
                                      for n, m in model.named_modules() if n.endswith(tuple(TARGETS))}),
         }
+    classic = rb.LoRA(target_modules=list(TARGETS), dim=DIM, alpha=ALPHA, sequence_parallel_input_regather=True,
+                      lean_transients=False)
+    models["rb/regather-classic"] = classic([base_model()], training=True)[0]
+    copy_adapters(reference, models["rb/regather-classic"])
+    # the same function in float64 (the weights of regather/gather, which holds Bridge's adapters): the
+    # reference of the lean row adapters' other summation order (tests.harness.numerics)
+    models["fp64"] = regather_model("gather", dtype=torch.float64)
+    models["fp64"].load_state_dict(models["regather/gather"].state_dict(), strict=True)
     out["bridge_trainable"] = sorted(trainable(reference))
     for name, model in models.items():
         res = measure(model, batch)
@@ -198,8 +210,11 @@ def mcore016_worker(rank: int, world_size: int) -> dict:
     bridge_peft()
     batch = gpt_batch(SHAPE, MICRO_BATCH, seed=3)
     reference = bridge_model(regather=False)
+    # regather's path with the classic output: Bridge 0.6.2's bits with the row-parallel targets too
+    # (lean, the default, sums their LoRA-B weight gradient in another order: test_bridge_parity)
     models = {"bridge/gather": reference, "bridge/regather": bridge_model(regather=True),
-              "regather/gather": regather_model("gather"), "regather/regather": regather_model("regather")}
+              "regather/gather": regather_model("gather"),
+              "regather/regather": regather_model("regather", lean_transients=False)}
     for _name, model in models.items():
         if model is not reference:
             copy_adapters(reference, model)

@@ -81,7 +81,8 @@ def bridge_model(tp: int = TP, targets=None, config: dict = GATED, sp: bool = Tr
 
 
 def regather_model(variant: str = "early", tp: int = TP, targets=None, config: dict = GATED, sp: bool = True,
-                   shape: TinyGPT = SHAPE, seed: int = MINE_SEED, dtype: torch.dtype = torch.float32):
+                   shape: TinyGPT = SHAPE, seed: int = MINE_SEED, dtype: torch.dtype = torch.float32,
+                   lean_transients: bool | None = None):
     from regather import CanonicalLoRA
 
     model = base_model(tp, config, sp, shape, dtype)
@@ -89,7 +90,7 @@ def regather_model(variant: str = "early", tp: int = TP, targets=None, config: d
     torch.manual_seed(seed)  # regather's own init (other than Bridge's): loads must replace it
     kw = {} if targets is None else {"target_modules": list(targets)}
     return CanonicalLoRA(dim=DIM, alpha=ALPHA, lora_B_init_method="normal", sequence_parallel_input_strategy=strategy,
-                         early_regather=early, **kw)(model, training=True)
+                         early_regather=early, lean_transients=lean_transients, **kw)(model, training=True)
 
 
 def tp_group():
@@ -212,8 +213,12 @@ def parity(out: dict) -> None:
     for variant in VARIANTS:
         models[f"regather/{variant}"] = regather_model(variant)
         W.copy_adapters(reference, models[f"regather/{variant}"])
-    # the same function in fp64 from the same weights: the reference of lowrank (another summation
-    # order than the gather path's; tests.harness.numerics)
+    for variant in ("early", "plain"):  # the classic output, Bridge's bits (regather is lean by default)
+        models[f"regather/{variant}-classic"] = regather_model(variant, lean_transients=False)
+        W.copy_adapters(reference, models[f"regather/{variant}-classic"])
+    # the same function in fp64 from the same weights: the reference of lowrank and of the lean row
+    # adapters' LoRA-B weight gradients (other summation orders than the gather path's;
+    # tests.harness.numerics)
     models["fp64"] = regather_model("gather", dtype=torch.float64)
     W.copy_adapters(reference, models["fp64"])
     for name, model in models.items():

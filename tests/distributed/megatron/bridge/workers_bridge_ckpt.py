@@ -24,6 +24,10 @@ import workers_bridge as W
 from regather.tools.cpu.models import gpt_batch
 
 STRATEGIES = ("gather", "regather", "lowrank")
+# regather's models with the classic output: what a checkpoint restores is compared with Bridge's model
+# bit for bit (regather's lean default sums the row adapters' LoRA-B weight gradient in another order,
+# tests/distributed/megatron/bridge/test_bridge_parity.py)
+CLASSIC = {"lean_transients": False}
 
 
 def _outputs(model, batch) -> dict:
@@ -86,7 +90,7 @@ def state_dict_worker(rank: int, world_size: int) -> dict:
     # Bridge -> regather, every strategy, strict=True; regather writes back the same state dict
     for strategy in STRATEGIES:
         # another adapter init than Bridge's: the load must replace it
-        model = W.regather_model(strategy, lora_B_init_method="normal")
+        model = W.regather_model(strategy, lora_B_init_method="normal", **CLASSIC)
         before = _diff(_outputs(model, batch), ref, rank)
         model.load_state_dict(bsd, strict=True)
         out[strategy] = {"before": before, "after": _diff(_outputs(model, batch), ref, rank),
@@ -95,13 +99,13 @@ def state_dict_worker(rank: int, world_size: int) -> dict:
     # Bridge's adapter-only part (its checkpoint filter) -> regather, strict within the part
     peft = W.bridge_lora(regather=False)
     adapter_part = {k: v for k, v in bsd.items() if peft.adapter_key_filter(k) and "_extra_state" not in k}
-    model = W.regather_model("regather", lora_B_init_method="normal")
+    model = W.regather_model("regather", lora_B_init_method="normal", **CLASSIC)
     checkpoint.load_adapter_state_dict(model, adapter_part)
     out["adapter_part_into_regather"] = _diff(_outputs(model, batch), ref, rank)
 
     # regather -> Bridge, the way Bridge loads: base into the unwrapped model (pretrained),
     # then the adapter part through Bridge's filter with strict=False (resume)
-    mine = W.regather_model("regather", lora_B_init_method="normal", adapter_seed=5)
+    mine = W.regather_model("regather", lora_B_init_method="normal", adapter_seed=5, **CLASSIC)
     mine_out = _outputs(mine, batch)
     msd = mine.state_dict()
     base = W.base_model()
@@ -195,13 +199,13 @@ def dist_checkpoint_worker(rank: int, world_size: int, root: str) -> dict:
     # Bridge -> regather, TP=2: the full checkpoint strictly, the adapter-only one through
     # regather.megatron.dense.checkpoint and through Bridge's own loader, every strategy
     for strategy in STRATEGIES:
-        model = W.regather_model(strategy, lora_B_init_method="normal")
+        model = W.regather_model(strategy, lora_B_init_method="normal", **CLASSIC)
         model.load_state_dict(_dist_load(model, f"{root}/bridge_full"), strict=True)
         full = _diff(_outputs(model, batch), ref, rank)
-        model = W.regather_model(strategy, lora_B_init_method="normal")
+        model = W.regather_model(strategy, lora_B_init_method="normal", **CLASSIC)
         checkpoint.load_adapter_state_dict(model, _dist_load(model, f"{root}/bridge_adapters", checkpoint.adapter_only))
         part = _diff(_outputs(model, batch), ref, rank)
-        model = W.regather_model(strategy, lora_B_init_method="normal")
+        model = W.regather_model(strategy, lora_B_init_method="normal", **CLASSIC)
         bridge_utils.load_peft_adapter_checkpoint([model], f"{root}/bridge_adapters", peft, fully_parallel_load=False)
         by_bridge = _diff(_outputs(model, batch), ref, rank)
         out[f"bridge->{strategy}"] = {"full": full, "adapter_part": part, "bridge_loader": by_bridge}
@@ -210,7 +214,7 @@ def dist_checkpoint_worker(rank: int, world_size: int, root: str) -> dict:
     # written as rank shards) and an adapter-only one; Bridge loads the base into the unwrapped
     # model, then the adapters with its own loader (load_peft_adapter_checkpoint, strict=False)
     for strategy in ("regather", "lowrank"):
-        mine = W.regather_model(strategy, lora_B_init_method="normal", adapter_seed=5)
+        mine = W.regather_model(strategy, lora_B_init_method="normal", adapter_seed=5, **CLASSIC)
         mine_out, mine_weights = _outputs(mine, batch), _full_adapter_weights(mine)
         _save({"model": mine.sharded_state_dict()}, f"{root}/{strategy}_full")
         sources = [f"{strategy}_full"]
@@ -228,7 +232,7 @@ def dist_checkpoint_worker(rank: int, world_size: int, root: str) -> dict:
 
     # TP=1 (the two ranks become data-parallel replicas): both TP=2 checkpoints load; the
     # TP=1 models hold the full weights of the TP=2 ones and give their per-token losses
-    model = W.regather_model("gather", tp=1, lora_B_init_method="normal")
+    model = W.regather_model("gather", tp=1, lora_B_init_method="normal", **CLASSIC)
     model.load_state_dict(_dist_load(model, f"{root}/bridge_full"), strict=True)
     tp1 = _outputs(model, batch)
     out["tp1: bridge->regather"] = {
@@ -260,12 +264,12 @@ def _gated_dist_checkpoints(rank, root, batch, peft, bridge_ckpt, bridge_utils) 
     out["gated: bridge fc1 LoRA-B is a factory"] = isinstance(bridge.sharded_state_dict()[fc1_b], ShardedTensorFactory)
     _save(section, f"{root}/gated_bridge_full")
     for strategy in ("regather", "lowrank"):
-        model = W.regather_model(strategy, lora_B_init_method="normal", config=W.GATED)
+        model = W.regather_model(strategy, lora_B_init_method="normal", config=W.GATED, **CLASSIC)
         before = _diff(_outputs(model, batch), ref, rank)
         model.load_state_dict(_dist_load(model, f"{root}/gated_bridge_full"), strict=True)
         out[f"gated: bridge->{strategy}"] = {"before": before, "after": _diff(_outputs(model, batch), ref, rank)}
 
-    mine = W.regather_model("regather", lora_B_init_method="normal", adapter_seed=5, config=W.GATED)
+    mine = W.regather_model("regather", lora_B_init_method="normal", adapter_seed=5, config=W.GATED, **CLASSIC)
     out["gated: regather fc1 LoRA-B is a factory"] = isinstance(mine.sharded_state_dict()[fc1_b], ShardedTensorFactory)
     mine_out = _outputs(mine, batch)
     _save({"model": mine.sharded_state_dict()}, f"{root}/gated_regather_full")

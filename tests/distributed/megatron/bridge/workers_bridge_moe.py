@@ -20,6 +20,8 @@ from regather.tools.cpu.moe_models import GlobalLayout, TinyMoE, build_moe_gpt, 
 # variant -> (which LoRA, regather flag, regather.bridge's other fields)
 SIDES = {"bridge": ("bridge", False, {}), "bridge-regather": ("bridge", True, {}),
          "rb-gather": ("regather.bridge", False, {}), "rb-regather": ("regather.bridge", True, {}),
+         # the classic output (Bridge's bits; regather's regather path is lean by default)
+         "rb-regather-classic": ("regather.bridge", True, {"lean_transients": False}),
          # every expert input rebuilt from what the MoE layer keeps (issue 16)
          "rb-regather-rc-rd": ("regather.bridge", True, {"recompute_adapter_inputs": True,
                                                          "redispatch_expert_inputs": True})}
@@ -45,8 +47,14 @@ def wrap(case: Case, variant: str):
 
 
 def side_by_side(rank: int, world: int, cases: dict) -> dict:
-    """Every side of every case (all on ``world`` ranks)."""
-    return {name: {v: train(case, v, wrap=wrap) for v in case.variants} for name, case in cases.items()}
+    """Every side of every case (all on ``world`` ranks), and the sides in ``case.fp64`` trained in float64
+    under "fp64" (the reference of other summation orders, tests.harness.numerics)."""
+    out = {}
+    for name, case in cases.items():
+        out[name] = {v: train(case, v, wrap=wrap) for v in case.variants}
+        if case.fp64:
+            out[name]["fp64"] = {v: train(replace(case, dtype="float64"), v, wrap=wrap) for v in case.fp64}
+    return out
 
 
 def reference(rank: int, world: int, cases: dict) -> dict:

@@ -73,6 +73,11 @@ class Case:
     # variants also trained in float64 from the same weights and batches, under "fp64": the
     # references of results that are other summation orders (tests.harness.numerics)
     fp64: tuple = ()
+    # LoRA(lean_transients=...) of every variant, the gather reference included, so that the variants
+    # are compared like for like: lean (regather.core.peak) reduce-scatters a row adapter's mid and sums
+    # its LoRA-B weight gradient per sequence shard, another order than the classic gather path's
+    # (docs/design.md §3.7); None: each strategy's default
+    lean: bool | None = True
 
     @property
     def world(self) -> int:
@@ -92,7 +97,7 @@ def _lora(case: Case, variant: str):
 
     strategy, overrides = VARIANTS[variant]
     kwargs = dict(target_modules=list(case.targets), dim=case.dim, alpha=2 * case.dim, lora_B_init_method="xavier",
-                  share_expert_adapters=case.share, **overrides)
+                  share_expert_adapters=case.share, lean_transients=case.lean, **overrides)
     if variant.startswith("canonical-"):
         del kwargs["target_modules"]  # CanonicalLoRA's default: every projection
         return CanonicalLoRA(sequence_parallel_input_strategy=strategy, **kwargs)

@@ -21,6 +21,9 @@ case               overlap     distributed  fusion  param gather   strategies
                                                                    gather-shared
 =================  ==========  ===========  ======  =============  =========================
 
+Every LoRA run is lean (``TrainSpec.lean_transients``), the gather reference too, so that the
+comparisons stay bit for bit with the row-parallel targets (docs/design.md §3.7).
+
 "rc": ``LoRA(recompute_adapter_inputs=True)`` variants (issue 9), registered here into
 ``megatron_train.STRATEGIES``: ``regather-rc``, ``regather-plain-rc``, ``lowrank-rc``,
 ``lowrank-finalize-rc`` and ``gather-rc`` (on the gather path only linear_fc2 recomputes). Each is

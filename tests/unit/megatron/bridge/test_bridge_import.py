@@ -110,7 +110,8 @@ def test_is_a_bridge_lora_with_bridge_fields_and_defaults(bridge):
         assert ours[name].init == f.init, name
     assert set(ours) - set(theirs) == {"sequence_parallel_input_strategy", "early_regather",
                                        "lowrank_grad_allreduce", "share_sequence_gather",
-                                       "recompute_adapter_inputs", "redispatch_expert_inputs"}
+                                       "recompute_adapter_inputs", "redispatch_expert_inputs",
+                                       "lean_transients"}
     # Bridge's protocol, inherited, not re-implemented
     for method in ("freeze_model", "set_params_to_save", "adapter_key_filter", "match", "_walk_model"):
         assert getattr(rb.LoRA, method) is getattr(lora.LoRA, method), method

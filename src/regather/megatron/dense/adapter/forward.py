@@ -233,7 +233,12 @@ class AdapterForward:
         mid = torch.ops.aten.mul.Scalar(mid, self.scale)  # the scale on the rank-r side (regather.core.peak.output)
         fuse, group = self.gradient_accumulation_fusion, self.tp_group
         if splits is not None:  # per-expert LoRA-B blocks: their output whole, added in place (one W, not three)
-            return base_out.add_(linear(mid, b, fuse, splits=splits))
+            delta = linear(mid, b, fuse, splits=splits)
+            if not self.column_parallel and self.tp_size > 1:  # a partial output: this rank's columns of it
+                width = delta.shape[-1]
+                base_out[..., self.tp_rank * width:(self.tp_rank + 1) * width].add_(delta)
+                return base_out
+            return base_out.add_(delta)
         slot = plan.slot
         on_grad = (lambda: slot.on_output_grad(None)) if slot is not None else None
         if self.column_parallel:
