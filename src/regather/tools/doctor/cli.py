@@ -90,10 +90,10 @@ def setup_from_args(args) -> Setup:
     sizes, name = sized(args, base, base.model_name, "doctor", tiny=tiny)
     moe = sizes.get("num_experts", base.num_experts) > 0
     refuse_contradictions(args, moe, name, "doctor")
-    refuse_cp(argparse.Namespace(cp=args.cp, spec=spec, attention=args.attention), spec, "doctor")
     if args.build and args.cp > 1:
         raise SystemExit(f"regather doctor --build: --cp {args.cp}: the CPU model is megatron's local spec, which runs "
                          "no context parallelism (leave --build out for the rules alone)")
+    refuse_cp(argparse.Namespace(cp=args.cp, spec=spec, attention=args.attention), spec, "doctor")
     if args.redispatch_expert_inputs and not args.recompute_adapter_inputs:
         raise SystemExit("regather doctor: --redispatch-expert-inputs rebuilds expert inputs in backward: it needs "
                          "--recompute-adapter-inputs (LoRA refuses redispatch_expert_inputs without "

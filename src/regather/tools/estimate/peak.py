@@ -73,8 +73,7 @@ def chunk(nbytes: int, rows: int) -> int:
     if rows <= 1 or nbytes <= 0:
         return nbytes
     n = max(1, min(MAX_CHUNKS, rows, nbytes // MIN_CHUNK_BYTES))
-    per_row = nbytes // rows
-    return -(-rows // n) * per_row
+    return -(-rows // n) * nbytes // rows
 
 
 @dataclass(frozen=True)
