@@ -5,7 +5,9 @@ linear_proj, linear_fc1 and linear_fc2 learns the byte-level text shipped in
 ``regather/data/tiny_corpus.txt`` with TP=2 and sequence parallelism on two CPU
 ranks (gloo). Three runs train from the same weights on the same batches in one
 process group, alternating step by step, so their step times compare fairly:
-the gather path, regather, and regather with ``recompute_adapter_inputs=True``
+the gather path (with the lean output path regather runs, ``LoRA(lean_transients=True)``: the classic one differs
+in LoRA-B's weight gradient on row-parallel targets by rounding), regather, and regather with
+``recompute_adapter_inputs=True``
 (qkv/fc1/fc2 inputs rebuilt in backward from what their producer keeps). The demo
 prints every loss (they must be identical), every adapter's decision in the
 recompute run (which input is recomputed, from what, and why one is kept), the
@@ -26,9 +28,12 @@ from regather.megatron.reasons import ELIGIBLE_BASES
 from regather.tools.estimate.vocabulary import add_command
 from regather.tools.shapes import tp_problems
 
-STRATEGIES = ("gather", "regather", "regather-recompute")
+#: the gather path with the lean output path (LoRA(lean_transients=True)), which regather runs by default: the
+#: three runs do the same GEMMs, so their losses are identical (Bridge's classic output path differs from them in
+#: LoRA-B's weight gradient on row-parallel targets under SP by rounding, docs/design.md 3.7)
+STRATEGIES = ("gather-lean", "regather", "regather-recompute")
 WIDTH = 120  # the report's lines wrap here
-LABELS = {"gather": "gather", "regather": "regather", "regather-recompute": "+recompute"}
+LABELS = {"gather-lean": "gather", "regather": "regather", "regather-recompute": "+recompute"}
 LABEL = 40  # the bytes table's first column
 DESCRIPTION = (
     "A short LoRA fine-tune of a real megatron-core GPTModel on the text shipped with regather, TP + sequence "
@@ -106,7 +111,7 @@ def run(args) -> int:
           f"micro-batch {args.micro_batch}, fp32)")
     _say(f"TP={args.tp} + sequence parallel on {args.tp} CPU ranks (gloo); text: tiny_corpus.txt "
           f"({len(tokens):,} bytes, byte-level tokens); {args.steps} steps per run, interleaved:")
-    _say("  gather      LoRA()  (the classic path)")
+    _say("  gather      LoRA(lean_transients=True)  (the gather path with regather's lean output path)")
     _say("  regather    LoRA(sequence_parallel_input_regather=True)")
     _say("  +recompute  LoRA(sequence_parallel_input_regather=True, recompute_adapter_inputs=True)\n")
     try:
@@ -125,7 +130,7 @@ def run(args) -> int:
         identical &= same
         _say(f"{i + 1:>4}  {losses[0]:>14.6f}  {losses[1]:>15.6f}  {losses[2]:>17.6f}  {'yes' if same else 'NO'}")
     for rank_result in results[1:]:  # every rank must agree, not just rank 0
-        identical &= all(rank_result[name]["loss"] == rank_result["gather"]["loss"] for name in STRATEGIES)
+        identical &= all(rank_result[name]["loss"] == rank_result[STRATEGIES[0]]["loss"] for name in STRATEGIES)
 
     _say("\nAdapter decisions (+recompute run, rank 0):")
     width = max(len(p) for p in rc["decisions"])

@@ -82,6 +82,9 @@ def test_bytes_per_adapter_kind(bench):
         # over the frozen model: LoRA-A's inputs and the rank-r tensors, nothing else
         assert row["lora_bytes_over_frozen"] == row["saved_bytes"] - frozen == sum(kinds.values()) + L * RANK_R, name
         assert row["saved_bytes_same_on_all_ranks"], name
+        # the allocator's step (issue 45): LoRA's peak over the frozen model is at least what it keeps
+        a = row["allocated"]
+        assert a["peak_over_frozen"] >= a["kept_over_frozen"] >= 0 and a["lora_grad_bytes"] > 0, (name, a)
 
 
 def test_collectives_against_torchtitans(bench):
@@ -231,3 +234,5 @@ def test_ac_and_compile_end_to_end_lora_adds_its_rank_r_tensors_alone(tmp_path, 
         # test_titan_ac_compile holds at its shapes; here the rank-r tensors weigh more)
         assert titan - ours >= L * (2 * X_FULL + W2) - B * S * R * E, (ours, titan)
     assert " ".join(extra) in (tmp_path / "bench.md").read_text()
+    # the step's peak needs eager blocks (its count's dispatch mode): measured under --ac, not under --compile
+    assert (rows["regather-recompute"]["allocated"] is None) == (extra == ["--compile"])

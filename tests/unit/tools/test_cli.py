@@ -200,9 +200,10 @@ def test_custom_sizes_are_the_users():
     assert doc["model"] | {"vocab": None} == {"name": "custom", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 4,
                                               "head_dim": 16, "ffn": 128, "experts": 0, "moe_ffn": 0, "topk": 0,
                                               "vocab": None}
-    model = Model(hidden=64, layers=2, heads=4, ffn=128)
+    # what the sizes leave of the preset: its vocabulary, its gated MLP and q / k norms (the per-GPU total's)
+    model = Model(hidden=64, layers=2, heads=4, ffn=128, vocab=doc["model"]["vocab"], gated_mlp=True, qk_norm=True)
     run = Run(tp=2, seq=64, micro_batch=2, dtype="float32", spec="local")
-    want = estimate(model, run, tuple(doc["strategies"]))
+    want = estimate(model, run, tuple(doc["strategies"]), gpu_gib=80)
     assert doc["strategies"] == json.loads(json.dumps(want))
     assert doc["strategies"]["gather"]["adapter_input_by_target"]["linear_proj"] == 2 * 64 * 2 * 64 * 4 // 2
     text = regather(*argv, "--targets", "linear_qkv,linear_fc1")

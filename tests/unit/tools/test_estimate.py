@@ -27,22 +27,49 @@ QWEN3_8B = PRESETS["qwen3-8b"]
 S, B, H = 8192, 1, 4096
 
 
+def lean_rows(n: int, s: int, b: int, h: int, r: int, t: int, e: int, sp: bool = True) -> dict:
+    """By hand: what ``n`` lean row adapters (linear_proj, a dense linear_fc2; output width h) send beyond the classic
+    ones per micro-batch (docs/design.md §3.7, regather.core.peak.row): under SP ``mid`` reduce-scattered and ``dmid``
+    all-gathered instead of both all-reduced; LoRA-B's weight gathered twice and its fp32 gradient reduce-scattered
+    instead of its output gathered over its columns and ``dY`` over the sequence. SP off: the weight gathered
+    instead of the output."""
+    f = (t - 1) / t
+    mid, out, weight = s * b * r * e * f, s * b * h * e * f, h * r * e * f
+    if not sp:
+        return {"all_gather": n * (weight - out)}
+    return {"all_reduce": -4 * n * mid, "reduce_scatter": n * (mid + h * r * 4 * f),
+            "all_gather": n * (mid + 2 * weight - 2 * out)}
+
+
+def added(changes: dict) -> dict:
+    """Two change dicts added by kind."""
+    out = {}
+    for d in changes:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def test_qwen3_8b_tp2_saving_is_half_the_gathered_inputs():
     res = estimate(QWEN3_8B, Run(tp=2, seq=S, micro_batch=B, dtype="bfloat16"))
     per_adapter = S * B * H * 2  # bytes of x_full
     assert res["gather"]["saved_vs_gather"] == 0
     for name in ("regather", "lowrank"):
         assert res[name]["saved_vs_gather"] == 72 * per_adapter // 2  # 36 layers x (qkv, fc1), shard kept
-    assert res["regather"]["extra_comm_bytes"] == {"all_gather": 72 * per_adapter // 2}
+    # the eligible adapters' re-gather, and the 72 lean row adapters (proj, fc2; r 16) against the classic row path
+    assert res["regather"]["extra_comm_bytes"] == added([{"all_gather": 72 * per_adapter // 2},
+                                                         lean_rows(72, S, B, H, 16, 2, 2)])
 
 
 def test_lowrank_adds_under_one_percent_of_regathers_communication():
     run = Run(tp=2, seq=S, lora_rank=16)
     res = estimate(QWEN3_8B, run)
     r, f = 16, 1 / 2
-    added = 72 * (S * r * 2 * f + 2 * r * H * 2 * f)  # reduce-scatter dmid + all-reduce dA
-    assert res["lowrank"]["added_comm_bytes"] == added
-    assert res["lowrank"]["added_comm_bytes"] <= 0.01 * res["regather"]["added_comm_bytes"]
+    mine = 72 * (S * r * 2 * f + 2 * r * H * 2 * f)  # reduce-scatter dmid + all-reduce dA
+    # what the 72 lean row adapters add (both strategies: mid reduce-scattered, dmid and B gathered, dB scattered)
+    rows = 72 * (2 * S * r * 2 * f + H * r * 4 * f + 2 * H * r * 2 * f)
+    assert res["lowrank"]["added_comm_bytes"] == mine + rows
+    assert mine <= 0.01 * (res["regather"]["added_comm_bytes"] - rows)
     assert res["lowrank"]["extra_comm_total"] < 0  # it removes the two s*b*h collectives
 
 
@@ -58,7 +85,9 @@ def test_lowrank_changes_by_kind():
 def test_no_saving_without_sequence_parallelism_or_at_tp1():
     for run in (Run(tp=2, sp=False), Run(tp=1)):
         res = estimate(QWEN3_8B, run)
-        assert res["regather"]["saved_vs_gather"] == 0 and res["regather"]["extra_comm_bytes"] == {}
+        # SP off: only the lean row adapters' LoRA-B weight gathered instead of its output
+        rows = lean_rows(72, S, B, H, 16, 2, 2, sp=False) if run.tp > 1 else {}
+        assert res["regather"]["saved_vs_gather"] == 0 and res["regather"]["extra_comm_bytes"] == rows
 
 
 def test_moe_experts_never_regather():
@@ -172,9 +201,10 @@ def test_lowrank_removes_a_dx_reduce_scatter_only_where_dx_exists():
     m = Model(name="m", hidden=64, layers=2, heads=4, ffn=128)
     run = Run(tp=2, seq=32, micro_batch=2, dtype="float32", targets=("linear_fc1", "linear_fc2"))
     x, mid = 32 * 2 * 64 * 4 // 2, 32 * 2 * 16 * 4 // 2
-    assert estimate(m, run, ["lowrank"])["lowrank"]["extra_comm_bytes"]["reduce_scatter"] == -1 * x + 2 * mid
+    rows = lean_rows(2, 32, 2, 64, 16, 2, 4)["reduce_scatter"]  # the two lean fc2 adapters
+    assert estimate(m, run, ["lowrank"])["lowrank"]["extra_comm_bytes"]["reduce_scatter"] == -1 * x + 2 * mid + rows
     grad = estimate(m, replace(run, input_requires_grad=True), ["lowrank"])["lowrank"]
-    assert grad["extra_comm_bytes"]["reduce_scatter"] == -2 * x + 2 * mid
+    assert grad["extra_comm_bytes"]["reduce_scatter"] == -2 * x + 2 * mid + rows
 
 
 LLAMA3_70B = PRESETS["llama3-70b"]
@@ -204,7 +234,9 @@ def test_replicated_recompute_rebuilds_qkv_fc1_and_fc2(model, run):
         assert rc["saved_vs_gather_input_requires_grad"] == 2 * n * x + n * fc2
         assert rc["kept_by_reason"] == {f"linear_qkv: input_layernorm: {NOTHING_KEPT}": 1,
                                         f"linear_proj: {no_recomputable_producer('linear_proj')}": n}
-        assert rc["extra_comm_bytes"] == {}
+        # at TP > 1 without SP the lean row adapters gather LoRA-B's weight instead of its output
+        lean = name != "gather" and t > 1
+        assert rc["extra_comm_bytes"] == (lean_rows(2 * n, s, 1, model.hidden, 16, t, 2, sp=False) if lean else {})
 
 
 def test_unknown_variant_and_cli_report(capsys):
@@ -452,7 +484,8 @@ def test_qwen3_8b_recipe_targets_by_hand():
         assert rc["saved_vs_gather"] == 36 * x_full - x_local == 2_382_364_672
         assert rc["saved_vs_gather_input_requires_grad"] == 36 * x_full == 2_415_919_104
         assert rc["recomputed_by_target"] == {"linear_qkv": 35}
-        assert res["regather"]["extra_comm_bytes"] == {"all_gather": 36 * x_full // 2}
+        assert res["regather"]["extra_comm_bytes"] == added([{"all_gather": 36 * x_full // 2},
+                                                             lean_rows(36, S, 1, H, 8, 2, 2)])  # the proj adapters
         proj_reasons = [k for k in rc["kept_by_reason"] if k.startswith("linear_proj")]
         assert proj_reasons == ([] if fused else ["linear_proj: linear_proj has no recomputable producer (only "
                                                   "linear_qkv, linear_fc1 and linear_fc2 do)"])
@@ -529,7 +562,7 @@ def test_default_documents_carry_no_same_work(capsys):
     assert "same_work" not in doc and all("shared_by_target" not in row for row in doc["strategies"].values())
     assert cli.main(["estimate", "--spec", "local", "--model", "qwen3-8b"]) == 0
     out = capsys.readouterr().out
-    assert "this estimate: LoRA on" not in out and "attention" not in out
+    assert "this estimate: LoRA on" not in out and "linear_proj's LoRA-A input (" not in out
 
 
 # -- --spec te: what Transformer Engine keeps (Bridge's recipes), beside the local spec -------------------

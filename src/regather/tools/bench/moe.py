@@ -19,7 +19,9 @@ one row per variant:
 - parity against gather and against the strategy without options: max |Δloss| over the steps,
   max |Δgrad| of the last step's LoRA gradients over every rank (absolute and relative to the
   reference's largest entry);
-- the decisions summary and, per MoE layer, the early / late re-dispatch counts.
+- the decisions summary and, per MoE layer, the early / late re-dispatch counts;
+- LoRA's kept and peak bytes over the frozen model (the allocator's, every collective settled, per rank and their
+  mean), measured on fresh models of the run's weights (LoRA-B zero: every model routes as the frozen one does).
 """
 
 from __future__ import annotations
@@ -126,14 +128,24 @@ def default_variants(spec: MoEBenchSpec) -> tuple:
 
 
 def parity_pairs(variants) -> dict:
-    """``{variant: [gather, its strategy without options]}`` (those run)."""
+    """``{variant: [gather, its strategy without options, gather-lean for a lean variant]}`` (those run)."""
     from regather.tools.cpu.moe_train import base_variant
+    from regather.tools.cpu.train import lean_output
 
     out = {}
     for v in variants:
         base = base_variant(v)
         out[v] = ["gather"] + ([base] if base != v and base != "gather" and base in variants else [])
+        if lean_output(_strategy_variant(v)) and "gather-lean" in variants and v != "gather-lean":
+            out[v].append("gather-lean")
     return out
+
+
+def _strategy_variant(name: str) -> str:
+    """The dense variant a MoE variant's output path follows (``regather-recompute-redispatch``: ``regather-recompute``)."""
+    from regather.tools.cpu.moe_train import REDISPATCH
+
+    return name[: -len(REDISPATCH)] + "-recompute" if name.endswith(REDISPATCH) else name
 
 
 def moe_rank(rank: int, world_size: int, spec: MoEBenchSpec) -> dict:
@@ -147,10 +159,10 @@ def moe_rank(rank: int, world_size: int, spec: MoEBenchSpec) -> dict:
     progress = progress_printer(rank, spec.strategies, spec.steps, spec.quiet)
     with redispatch_times():  # wait_s / flight_s in each layer's re-dispatch counts
         results = compare_moe(rank, world_size, spec.run_config(), list(spec.strategies),
-                              parity_pairs(spec.strategies), progress=progress)
+                              parity_pairs(spec.strategies), progress=progress, peak=True)
     if rank != 0:  # decisions are the same on every rank: rank 0's enter the report
-        for res in results.values():
-            res.pop("decisions", None)
+        for name in spec.strategies:
+            results[name].pop("decisions", None)
     return results
 
 
@@ -272,12 +284,18 @@ def dispatch_bytes(row: dict, spec: MoEBenchSpec, width: int, reverse: bool = Fa
 
 
 def summarise(per_rank: list, spec: MoEBenchSpec) -> dict:
+    from regather.tools.bench.runner import over_frozen
     from regather.tools.cpu.moe_train import base_variant, variant_options
+    from regather.tools.cpu.train import lean_output
 
     rows = {name: _row([r[name] for r in per_rank], spec) for name in spec.strategies}
     for name, row in rows.items():
         row["options"] = variant_options(name)[1]
+        row["allocated_per_rank"] = [over_frozen(r[name]["allocated"], r["frozen"]["allocated"]) for r in per_rank]
+        row["allocated"] = _mean_dicts(row["allocated_per_rank"])
         _compare(row, rows["gather"], "gather", "gather", spec.warmup)
+        if lean_output(_strategy_variant(name)) and "gather-lean" in rows and name != "gather-lean":
+            _compare(row, rows["gather-lean"], "gather-lean", "same_output_path", spec.warmup)
         base = base_variant(name)
         if base != name and base in rows:
             row["variant_of"] = base
@@ -288,4 +306,5 @@ def summarise(per_rank: list, spec: MoEBenchSpec) -> dict:
         fwd, back = dispatch_bytes(gather, spec, spec.lora_rank), dispatch_bytes(gather, spec, spec.lora_rank, True)
         one["rank_r_both_ways"] = None if fwd is None else fwd + back
     return {"mode": "moe", "spec": asdict(spec), "world": spec.world, "strategies": rows,
-            "dispatch_bytes_per_step_mean": one}
+            "dispatch_bytes_per_step_mean": one,
+            "frozen": {"allocated_per_rank": [dict(r["frozen"]["allocated"]) for r in per_rank]}}

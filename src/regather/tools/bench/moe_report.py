@@ -46,6 +46,12 @@ COLUMNS = [
                                       "on each rank's routing, their mean over the expert-parallel group does not (it "
                                       "is what regather estimate models)"),
     ("retained", "every unique storage autograd saved in the first forward, parameters excluded, mean over the ranks"),
+    ("LoRA kept, LoRA peak", "the allocator's bytes of one step (regather.core.allocated.AllocatedBytes, every "
+                             "collective settled, the smallest of 2 steps) over the frozen model's (the same MoE GPT "
+                             "without LoRA, decoder input requiring grad), mean over the ranks: kept = alive at the end "
+                             "of the forward, peak = the most alive at once over forward + backward, LoRA's weight "
+                             "gradients included; on fresh models of the run's weights (LoRA-B zero: every model "
+                             "routes the batch as the frozen one does); measured on CPU"),
     ("comm", "bytes received per rank in one step under ring algorithms, every collective (megatron-core's dispatch "
              "included), mean over the ranks and the steps after the first (the first also checks each MoE layer's "
              "route once under the expert recompute: comm_bytes_first_step_mean in bench.json)"),
@@ -56,7 +62,9 @@ COLUMNS = [
                                  "variants' steps interleave in one process group, order rotated each step)"),
     ("max Δloss, max Δgrad", "against gather / its strategy: the largest |loss difference| over the steps, the largest "
                              "|LoRA gradient difference| over every rank's last step; rel: divided by the "
-                             "reference's largest |gradient|"),
+                             "reference's largest |gradient| (bench.json: also against gather-lean for a lean "
+                             "variant, *_vs_same_output_path: the lean row adapter's LoRA-B weight gradient is another "
+                             "order, docs/design.md 3.7)"),
     ("re-dispatches", "rank 0's, by when they started (early: when the experts' output gradient arrived), their time "
                       "in flight per step and how much of it backward waited for"),
 ]
@@ -83,12 +91,15 @@ def bytes_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     unit, scale = _unit(summary)
     ks = kinds(summary)
     head = ["variant"] + [k.replace("experts.", "expert ").replace("shared_expert ", "shared expert ") for k in ks] \
-        + [f"all LoRA-A inputs {unit}", f"retained {unit}"]
+        + [f"all LoRA-A inputs {unit}", f"retained {unit}", f"LoRA kept {unit}", f"LoRA peak {unit}"]
     rows = []
     for name, r in report.ordered(summary):
         by = r["adapter_input_by_kind_mean"]
+        a = r.get("allocated")  # absent in a summary from before they were measured
         rows.append([name] + [report.scaled(by.get(k, 0), scale) for k in ks]
-                    + [report.scaled(r["adapter_input_bytes_mean"], scale), report.scaled(r["saved_bytes_mean"], scale)])
+                    + [report.scaled(r["adapter_input_bytes_mean"], scale), report.scaled(r["saved_bytes_mean"], scale)]
+                    + ([report.scaled(a["kept_over_frozen"], scale), report.scaled(a["peak_over_frozen"], scale)]
+                       if a else ["-", "-"]))
     return head, rows
 
 

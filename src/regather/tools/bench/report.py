@@ -106,6 +106,7 @@ def rows(summary: dict) -> list[list[str]]:
             name,
             _mb(r["saved_bytes"]),
             _mb(r["saved_adapter_input_bytes"]),
+            *allocated_cells(r),
             _mb(r["comm_bytes_total"]),
             _comm(r, "comm_bytes_extra_vs_gather") if name != "gather" else "-",
             f"{r['median_step_time'] * 1e3:.1f}",
@@ -129,7 +130,15 @@ def _adapters(r: dict) -> str:
     return text
 
 
-HEADER = ["strategy", "retained MiB", "adapter-input MiB", "comm MiB/step", "extra comm vs gather (MiB)",
+def allocated_cells(r: dict) -> list[str]:
+    """LoRA's kept and peak bytes over the frozen model, the allocator's (``-`` in a summary from before they were
+    measured)."""
+    a = r.get("allocated")
+    return [_mb(a["kept_over_frozen"]), _mb(a["peak_over_frozen"])] if a else ["-", "-"]
+
+
+HEADER = ["strategy", "retained MiB", "adapter-input MiB", "LoRA kept MiB", "LoRA peak MiB", "comm MiB/step",
+          "extra comm vs gather (MiB)",
           "median step ms", "x gather", "x gather (paired)", "x variant's strategy (median / paired)",
           "max Δloss", "max Δgrad (rel)", "adapters"]
 
@@ -138,15 +147,24 @@ COLUMNS = [
     ("retained", "unique storages autograd saved for backward in the first forward, parameters excluded "
                  "(counted by saved-tensor hooks), rank 0"),
     ("adapter-input", "the part of retained that LoRA-A saved"),
+    ("LoRA kept, LoRA peak", "the allocator's bytes (regather.core.allocated.AllocatedBytes, every collective "
+                             "settled; the smallest of 2 steps after training, rank 0) over the frozen model's (the "
+                             "same GPT without LoRA, decoder input requiring grad): kept = alive at the end of the "
+                             "forward, peak = the most alive at once over forward + backward, LoRA's weight "
+                             "gradients included; measured on CPU"),
     ("comm", "bytes received per rank in one training step under ring algorithms, every collective (megatron-core's "
              "own included); extra: minus gather's, by kind"),
     ("median step ms", "the slowest rank's step time, median of the steps after the warm-up"),
     ("x gather", "median step time / gather's, measured in the same process group, the strategies' steps "
                  "interleaved; paired: the median of the per-step ratios"),
-    ("x variant's strategy", "a variant (regather-plain, ...-recompute) against the strategy it varies, median / "
-                             "paired"),
+    ("x variant's strategy", "a variant (regather-plain, regather-classic, ...-recompute) against the strategy it "
+                             "varies, median / paired; regather-classic: regather with the classic output path "
+                             "(lean_transients=False), gather-lean: gather with the lean one (lean_transients=True)"),
     ("max Δloss, max Δgrad", "against gather: the largest |loss difference| over the steps, the largest |LoRA "
-                             "gradient difference| of the last step (rank 0); rel: divided by the largest |gradient|"),
+                             "gradient difference| of the last step (rank 0); rel: divided by the largest |gradient|. "
+                             "The lean output path changes LoRA-B's weight gradient on row-parallel bases under SP by "
+                             "rounding (docs/design.md 3.7): bench.json's max_abs_grad_diff_same_output_path is against "
+                             "gather-lean for a lean variant"),
 ]
 #: the sentence every CPU report carries
 CPU_TIMES = "CPU times show relative cost only; absolute times need a GPU."
@@ -243,7 +261,21 @@ def text_table(summary: dict) -> str:
     timed = recompute_lines(summary)
     if timed:
         lines += [""] + wrapped([RECOMPUTE_TIME + ":"] + [f"  {t}" for t in timed])
+    lean = lean_lines(summary)
+    if lean:
+        lines += [""] + wrapped([LEAN_TIME + ":"] + [f"  {t}" for t in lean])
     return "\n".join(lines)
+
+
+#: what the lean-against-classic lines are
+LEAN_TIME = ("the lean output path against the classic (lean_transients, docs/design.md 3.7): step time ratio, median "
+             "/ paired, in the same run")
+
+
+def lean_lines(summary: dict) -> list[str]:
+    """Per lean variant whose classic twin ran, its step time against the twin's."""
+    return [f"{n} / {r['classic']}: {r['ratio']:.3f} / {r['paired_ratio']:.3f}"
+            for n, r in summary.get("lean_vs_classic", {}).items()]
 
 
 #: what the recompute lines are
@@ -314,6 +346,9 @@ def markdown(summary: dict) -> str:
     timed = recompute_lines(summary)
     if timed:
         lines += ["", RECOMPUTE_TIME[0].upper() + RECOMPUTE_TIME[1:] + ":", ""] + [f"- {t}" for t in timed] + [""]
+    lean = lean_lines(summary)
+    if lean:
+        lines += ["", LEAN_TIME[0].upper() + LEAN_TIME[1:] + ":", ""] + [f"- {t}" for t in lean] + [""]
     if summary["backend"] == "gloo":
         lines.append(CPU_TIMES)
     return "\n".join(lines) + "\n"

@@ -138,10 +138,10 @@ def bench_rank(rank: int, world_size: int, spec: BenchSpec, nccl_init_file: str 
     device = _use_nccl(rank, world_size, nccl_init_file) if nccl_init_file else None
     progress = progress_printer(rank, spec.strategies, spec.steps, spec.quiet)
     results = compare_strategies(rank, world_size, spec.run_config(), list(spec.strategies),
-                                 device=device, progress=progress)
+                                 device=device, progress=progress, peak=True)
     if rank != 0:  # only rank 0's gradients and losses enter the report
-        for res in results.values():
-            res.pop("grads", None)
+        for name in spec.strategies:
+            results[name].pop("grads", None)
     return results
 
 
@@ -203,19 +203,22 @@ def recompute_counts(decisions: dict) -> dict:
 
 def summarise(per_rank: list, spec: BenchSpec) -> dict:
     """Rank 0's bytes, losses and gradients; step times are the slowest rank's per step."""
-    from regather.tools.cpu.train import recompute_clock
+    from regather.tools.cpu.train import lean_output, recompute_clock
 
     rank0 = per_rank[0]
     ref = rank0["gather"]
     rows = {}
     for name in spec.strategies:
         res = rank0[name]
+        # the gather path with the same output path: bit-identical wherever the GEMMs are the same (§3.7)
+        path_ref = "gather-lean" if lean_output(name) and "gather-lean" in rank0 else "gather"
         slowest = [max(r[name]["step_time"][i] for r in per_rank) for i in range(spec.steps)]
         timed = slowest[spec.warmup:] or slowest
         comm = {k: int(v) for k, v in sorted(res["comm_bytes"].items())}
         ref_comm = ref["comm_bytes"]
         extra = {k: int(comm.get(k, 0) - ref_comm.get(k, 0)) for k in sorted(set(comm) | set(ref_comm))}
         grad_abs, grad_rel = grad_difference(res["grads"], ref["grads"], 0, spec.tp)
+        path_abs, _ = grad_difference(res["grads"], rank0[path_ref]["grads"], 0, spec.tp)
         rows[name] = {
             "saved_bytes": int(res["saved_bytes"]),
             "saved_adapter_input_bytes": int(res["saved_adapter_input_bytes"]),
@@ -230,7 +233,10 @@ def summarise(per_rank: list, spec: BenchSpec) -> dict:
             "max_abs_loss_diff": max(abs(a - b) for a, b in zip(res["loss"], ref["loss"])),
             "max_abs_grad_diff": grad_abs,
             "max_rel_grad_diff": grad_rel,
+            "same_output_path_as": path_ref,
+            "max_abs_grad_diff_same_output_path": path_abs,
             **recompute_clock([r[name] for r in per_rank], spec.steps, spec.warmup),
+            "allocated": over_frozen(res["allocated"], rank0["frozen"]["allocated"]),
             "adapters_by_strategy": decision_counts(res["decisions"]),
             "adapter_inputs": recompute_counts(res["decisions"]),
             "decisions": res["decisions"],
@@ -243,7 +249,8 @@ def summarise(per_rank: list, spec: BenchSpec) -> dict:
         if base != name and base in rows:
             row["variant_of"] = base
             step_time_ratios(row, rows[base], "base", spec.warmup)
-    out = {"spec": asdict(spec), "strategies": rows}
+    out = {"spec": asdict(spec), "strategies": rows, "frozen": {"allocated": dict(rank0["frozen"]["allocated"])}}
+    lean_vs_classic(out, spec.warmup)
     if spec.canonical:
         out["canonical_inputs"] = canonical_inputs(rows, spec)
     return out
@@ -270,6 +277,34 @@ def canonical_inputs(rows: dict, spec: BenchSpec) -> dict:
         labels = row["saved_bytes_by_label"]
         out["strategies"][name] = sum(int(labels.get(f"{ADAPTER_INPUT}:{base}", 0)) for base in _SPLIT)
     return out
+
+
+def over_frozen(allocated: dict, frozen: dict) -> dict:
+    """A model's allocator bytes of one step (:func:`regather.tools.cpu.train.step_bytes`, rank 0) and LoRA's share:
+    ``kept_over_frozen`` / ``peak_over_frozen``, the same figures less the frozen model's (no LoRA, the decoder
+    input requiring grad), and ``lora_grad_bytes`` (the LoRA weights' gradients, made in that backward)."""
+    return {"kept": int(allocated["kept"]), "peak": int(allocated["peak"]),
+            "kept_over_frozen": int(allocated["kept"]) - int(frozen["kept"]),
+            "peak_over_frozen": int(allocated["peak"]) - int(frozen["peak"]),
+            "lora_grad_bytes": int(allocated["lora_grad_bytes"])}
+
+
+#: the lean output path's time against the classic one, when both ran: (lean variant, classic variant)
+LEAN_PAIRS = (("regather", "regather-classic"), ("gather-lean", "gather"))
+
+
+def lean_vs_classic(summary: dict, warmup: int) -> None:
+    """``summary["lean_vs_classic"]``: for each pair of :data:`LEAN_PAIRS` that ran, the lean variant's step time
+    against the classic one's (median ratio and paired ratio, the same run): what ``lean_transients`` costs."""
+    rows, out = summary["strategies"], {}
+    for lean, classic in LEAN_PAIRS:
+        if lean in rows and classic in rows:
+            pair = {"step_times": rows[lean]["step_times"], "median_step_time": rows[lean]["median_step_time"]}
+            step_time_ratios(pair, rows[classic], "classic", warmup)
+            out[lean] = {"classic": classic, "ratio": pair["step_time_ratio_vs_classic"],
+                         "paired_ratio": pair["paired_step_time_ratio_vs_classic"]}
+    if out:
+        summary["lean_vs_classic"] = out
 
 
 def step_time_ratios(row: dict, ref: dict, what: str, warmup: int) -> None:

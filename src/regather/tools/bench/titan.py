@@ -163,9 +163,14 @@ def _minus(a: dict, b: dict) -> dict:
     return {k: a.get(k, 0) - b.get(k, 0) for k in sorted(set(a) | set(b)) if a.get(k, 0) != b.get(k, 0)}
 
 
-def _row(results: list, frozen: int | None, frozen_allocated: int, spec: TitanBenchSpec) -> dict:
-    """One variant's measurements (``results``: its dict on each rank)."""
+def _row(results: list, frozen: int | None, frozen_allocated: int, spec: TitanBenchSpec,
+         frozen_step: dict | None = None) -> dict:
+    """One variant's measurements (``results``: its dict on each rank; ``frozen_step``: the frozen model's allocator
+    bytes of one step, None under --compile)."""
+    from regather.tools.bench.runner import over_frozen
+
     r0 = results[0]
+    step = r0.get("step_bytes")
     counted = r0["saved_bytes"] is not None  # None under --compile: the allocator's bytes alone
     kinds = by_kind(r0["saved_bytes_by_label"])
     slowest = [max(r["step_time"][i] for r in results) for i in range(spec.steps)]
@@ -179,6 +184,8 @@ def _row(results: list, frozen: int | None, frozen_allocated: int, spec: TitanBe
         "lora_bytes_over_frozen": int(r0["saved_bytes"]) - frozen if counted else None,
         "allocated_bytes": int(r0["allocated_bytes"]),
         "allocated_over_frozen": int(r0["allocated_bytes"]) - frozen_allocated,
+        # LoRA's kept and peak over the frozen model, the allocator's of one step (every collective settled), rank 0
+        "allocated": over_frozen(step, frozen_step) if step and frozen_step else None,
         "comm_bytes": comm,
         "comm_calls": r0["comm_calls"],
         "comm_bytes_total": _total(comm),
@@ -215,7 +222,9 @@ def summarise(per_rank: list, spec: TitanBenchSpec) -> dict:
 
     frozen = per_rank[0]["frozen"]["saved_bytes"]  # None under --compile (the allocator's bytes alone)
     frozen_allocated = int(per_rank[0]["frozen"]["allocated_bytes"])
-    rows = {name: _row([r[name] for r in per_rank], frozen, frozen_allocated, spec) for name in spec.strategies}
+    frozen_step = per_rank[0]["frozen"].get("step_bytes")
+    rows = {name: _row([r[name] for r in per_rank], frozen, frozen_allocated, spec, frozen_step)
+            for name in spec.strategies}
     ref, ref_grads = rows[BASELINE], per_rank[0][BASELINE]["grads"]
     for name, row in rows.items():
         _parity(row, ref, per_rank[0][name]["grads"], ref_grads)
@@ -227,6 +236,6 @@ def summarise(per_rank: list, spec: TitanBenchSpec) -> dict:
             step_time_ratios(row, rows[base], "base", spec.warmup)
     return {"mode": "torchtitan", "spec": asdict(spec), "baseline": BASELINE,
             "frozen": {"saved_bytes": frozen, "saved_bytes_by_label": per_rank[0]["frozen"]["saved_bytes_by_label"],
-                       "allocated_bytes": frozen_allocated,
+                       "allocated_bytes": frozen_allocated, "step_bytes": frozen_step,
                        "same_on_all_ranks": all(r["frozen"]["saved_bytes"] == frozen for r in per_rank)},
             "strategies": rows}

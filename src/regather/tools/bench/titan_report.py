@@ -40,6 +40,10 @@ COLUMNS = [
                                     "(regather.core.allocated.AllocatedBytes, the smallest of a few steps): the figure "
                                     "that counts under --ac and --compile, where saved-tensor hooks see neither what "
                                     "a checkpoint caches nor what a compiled graph saves"),
+    ("LoRA peak over frozen", "the most alive at once over one forward + backward by the allocator's count (every "
+                              "collective settled, the smallest of 2 steps after training, LoRA's weight gradients "
+                              "included), over the frozen model's; not under --compile (compiled blocks refuse the "
+                              "count's dispatch mode); torchtitan's front end runs the classic output path"),
     ("forward / backward / optimizer / step", "bytes received per rank under ring algorithms by phase of the first "
                                               "step, every collective (DTensor's redistributions included); extra: "
                                               "minus torchtitan's LoRA, by kind"),
@@ -103,6 +107,11 @@ def bytes_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
         rows[0].append(report.scaled(0, scale))
         for row, (_, r) in zip(rows[1:], report.ordered(summary)):
             row.append(report.scaled(r["allocated_over_frozen"], scale))
+    if summary["frozen"].get("step_bytes"):  # summaries before issue 45 have no peak column
+        head.append(f"LoRA peak over frozen {unit}")
+        rows[0].append(report.scaled(0, scale))
+        for row, (_, r) in zip(rows[1:], report.ordered(summary)):
+            row.append(report.scaled(r["allocated"]["peak_over_frozen"], scale) if r.get("allocated") else "-")
     return head, rows
 
 

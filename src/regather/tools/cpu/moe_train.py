@@ -117,6 +117,39 @@ def build(run: MoERun, name: str):
     return model, layout
 
 
+def build_frozen(run: MoERun):
+    """The same MoE GPT with the run's full weights, no LoRA, every weight frozen, its decoder input requiring grad
+    (the baseline of "over the frozen model", as :func:`regather.tools.cpu.train.frozen_gpt`)."""
+    from regather.tools.cpu.moe_models import GlobalLayout, build_moe_gpt, full_weights
+    from regather.tools.cpu.train import require_decoder_input_grad
+
+    model = build_moe_gpt(run.shape, run.tp, run.ep, run.etp, run.torch_dtype, seed=run.seed, init_parallel=False)
+    layout = GlobalLayout(model, run.shape)
+    layout.load(model, full_weights(layout.global_shapes(), seed=run.seed))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    require_decoder_input_grad(model)
+    return model
+
+
+def allocated_at_init(run: MoERun, variants: Sequence[str], batch) -> dict:
+    """Each variant's allocator bytes of one step (:func:`regather.tools.cpu.train.step_bytes`: kept after the
+    forward, the step's peak, every collective settled) and its LoRA weights' gradient bytes, on a fresh model of the
+    run's weights (LoRA-B zero: every model routes the batch as the frozen one does, so the expert activations are
+    the same and LoRA's bytes over the frozen model are LoRA's own), and the frozen model's under ``"frozen"``."""
+    from regather.tools.cpu.train import step_bytes
+
+    out = {}
+    for name in variants:
+        model, _ = build(run, name)
+        out[name] = step_bytes(model, batch)
+        out[name]["lora_grad_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters()
+                                           if p.requires_grad)
+        del model
+    out["frozen"] = step_bytes(build_frozen(run), batch)
+    return out
+
+
 def batches(run: MoERun):
     """This DP rank's rows of each step's global batch (``micro_batch x DP`` rows)."""
     from megatron.core import parallel_state as ps
@@ -195,9 +228,11 @@ def grad_gap(grads: dict, ref: dict) -> tuple[float, float]:
 
 
 def compare_moe(rank: int, world_size: int, run: MoERun, variants: Sequence[str], parity: dict,
-                progress: Callable[[str, int, float], None] | None = None) -> dict:
+                progress: Callable[[str, int, float], None] | None = None, peak: bool = False) -> dict:
     """Train every variant side by side; ``{variant: measurements}`` for this rank (module doc).
-    ``parity``: ``{variant: [variants to compare its losses and last gradients with]}``."""
+    ``parity``: ``{variant: [variants to compare its losses and last gradients with]}``. With ``peak``, after
+    training, each variant's allocator bytes on the first batch under ``"allocated"`` and the frozen model's under
+    ``out["frozen"]["allocated"]`` (:func:`allocated_at_init`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -246,6 +281,11 @@ def compare_moe(rank: int, world_size: int, run: MoERun, variants: Sequence[str]
                 last_grads[name] = {n: p.grad.detach().float().clone() for n, p in named[name].items()}
             if progress is not None:
                 progress(name, step, dt)
+    if peak:
+        allocated = allocated_at_init(run, variants, next(iter(batches(run))))
+        for name in variants:
+            out[name]["allocated"] = allocated[name]
+        out["frozen"] = {"allocated": allocated["frozen"]}
     for name in variants:
         res = out[name]
         res["parity"] = {other: dict(zip(("max_abs_grad_diff", "max_abs_grad"),

@@ -369,6 +369,27 @@ def step(model, count: bool | str = "all", dtype=None, shape: TinyLlama3 = DEFAU
                                       bwd_bytes=dict(bwd.bytes), alive=alloc.alive)
 
 
+def step_peak(model, dtype=None, shape: TinyLlama3 = DEFAULT, seed: int = 1234) -> dict:
+    """One forward and backward under the allocator's count with every collective settled
+    (:class:`~regather.core.allocated.AllocatedBytes` ``settle_each_collective``: an exact peak under gloo; eager
+    blocks only, its dispatch mode is no place for compiled ones): ``kept`` = allocated in the forward and alive at
+    its end, ``peak`` = the most alive at once over the step, both over what was alive before it."""
+    cast = dtype or torch.float32
+    hook = model.tok_embeddings.register_forward_hook(lambda m, a, out: out.detach().to(cast).requires_grad_(True))
+    inp, labels, pos = trainer_inputs(*tokens(shape, seed), positions(shape))
+    with train_context(), AllocatedBytes(settle_each_collective=True) as alloc:
+        try:
+            pred = model(inp, pos)
+        finally:
+            hook.remove()
+        loss = loss_of(pred, labels, shape.vocab)
+        del pred
+        alloc.mark("forward")
+        loss.backward()
+        del loss
+    return {"kept": alloc.alive_at("forward"), "peak": alloc.peak}
+
+
 def lora_grads(model) -> dict:
     """Every trainable parameter's gradient as a full tensor (a collective for sharded or partial
     gradients: every rank calls it)."""

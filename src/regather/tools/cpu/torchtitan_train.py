@@ -154,6 +154,21 @@ def _warm(model, run: TitanRun) -> int:
     return min(alive)
 
 
+def step_bytes(model, run: TitanRun, steps: int = 2) -> dict | None:
+    """The allocator's bytes of one forward + backward (:func:`~regather.tools.cpu.torchtitan_models.step_peak`),
+    the smallest of ``steps`` steps, gradients reset; None under ``--compile`` (compiled blocks refuse the count's
+    dispatch mode)."""
+    if run.compile:
+        return None
+    counts = [M.step_peak(model, dtype=run.torch_dtype, shape=run.shape, seed=run.seed) for _ in range(steps)]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.grad = None
+    return {"kept": min(c["kept"] for c in counts), "peak": min(c["peak"] for c in counts),
+            "lora_grad_bytes": sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor)
+                                   else p.numel() * p.element_size() for p in trainable)}
+
+
 def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[str],
                   progress: Callable[[str, int, float], None] | None = None) -> dict:
     """Train one model per variant side by side; return ``{variant: result}`` and ``"frozen"``'s
@@ -179,7 +194,8 @@ def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[
                             shape=run.shape, seed=run.seed)
     out = {"frozen": {"saved_bytes": saved.total if saved else None,
                       "saved_bytes_by_label": saved.by_label() if saved else {},
-                      "allocated_bytes": min(comm["alive"], warm_alive["frozen"])}}
+                      "allocated_bytes": min(comm["alive"], warm_alive["frozen"]),
+                      "step_bytes": step_bytes(frozen, run)}}
     del frozen
     models = {name: run.build(name, pd) for name in variants}
     opts = {name: optimizers(model, run.lr) for name, model in models.items()}
@@ -207,6 +223,7 @@ def compare_titan(rank: int, world_size: int, run: TitanRun, variants: Sequence[
                 res["grads"] = {n: g.detach().float().clone() for n, g in M.lora_grads(model).items()}
             if progress is not None:
                 progress(name, step, dt)
-    for name in variants:
+    for name in variants:  # after training, as the dense bench (regather.tools.cpu.train.compare_strategies)
+        out[name]["step_bytes"] = step_bytes(models[name], run)
         out[name]["decisions"] = {path: str(d) for path, d in decisions(models[name]).items()}
     return out

@@ -71,6 +71,13 @@ VARIANTS = {
 }
 
 
+def lean_output(name: str) -> bool:
+    """Whether variant ``name`` runs the lean output path (``lean_transients``: as the variant sets it, else
+    ``LoRA``'s default, lean for every strategy but gather; docs/design.md §3.7)."""
+    strategy, overrides = VARIANTS.get(name, (name, {}))
+    return overrides.get("lean_transients", strategy != "gather")
+
+
 def base_strategy(name: str) -> str:
     """The strategy a variant runs (``regather-recompute`` -> ``regather``); a strategy itself."""
     return VARIANTS.get(name, (name, {}))[0]
@@ -361,7 +368,8 @@ def compare_strategies(
     forward + backward. Each result has the keys of :func:`train_lora` (times of
     steps ``>= cfg.warmup`` enter the median). ``progress(strategy, step,
     seconds)`` is called after each step (rank 0 passes a printer). With ``peak``, after training each
-    model's allocator bytes (:func:`step_bytes`) under ``"allocated"``, and the frozen model's
+    model's allocator bytes (:func:`step_bytes`, and ``lora_grad_bytes``: its LoRA weights' gradients, which
+    the measured backward makes) under ``"allocated"``, and the frozen model's
     (:func:`frozen_gpt`) under ``out["frozen"]["allocated"]``, measured on the first batch.
     """
     import dataclasses
@@ -414,6 +422,9 @@ def compare_strategies(
         first = _to(next(iter(token_batches(cfg, tokens))), device)
         for name in strategies:
             out[name]["allocated"] = step_bytes(models[name], first)
+            # the LoRA weights' gradients, made in the measured backward (part of its peak)
+            out[name]["allocated"]["lora_grad_bytes"] = sum(p.numel() * p.element_size()
+                                                            for p in named[name].values())
         out["frozen"] = {"allocated": step_bytes(frozen_gpt(cfg, device), first)}
     for name in strategies:
         res = out[name]

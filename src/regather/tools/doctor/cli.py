@@ -30,7 +30,9 @@ from regather.tools.estimate.options import (
     apply_layout,
     attention,
     recipe_targets,
+    recompute,
     refuse_contradictions,
+    refuse_cp,
     refuse_recipe,
     sized,
 )
@@ -82,11 +84,16 @@ def setup_from_args(args) -> Setup:
         raise SystemExit(f"regather doctor --moe: {PRESETS[key].name} has no experts; MoE presets: "
                          + ", ".join(k for k, m in sorted(PRESETS.items()) if m.moe) + f", or --model {TINY}")
     base = (replace(Setup(), **TINY_MOE) if args.moe else Setup()) if tiny else Setup(
-        **_preset_fields(key), activation="swiglu", add_bias_linear=False, model_name=PRESETS[key].name, **PRESET_RUN)
+        **_preset_fields(key), activation="swiglu", add_bias_linear=False, model_name=PRESETS[key].name,
+        qk_norm=PRESETS[key].qk_norm, **PRESET_RUN)
     refuse_recipe(args, key, "doctor")
     sizes, name = sized(args, base, base.model_name, "doctor", tiny=tiny)
     moe = sizes.get("num_experts", base.num_experts) > 0
     refuse_contradictions(args, moe, name, "doctor")
+    if args.build and args.cp > 1:
+        raise SystemExit(f"regather doctor --build: --cp {args.cp}: the CPU model is megatron's local spec, which runs "
+                         "no context parallelism (leave --build out for the rules alone)")
+    refuse_cp(argparse.Namespace(cp=args.cp, spec=spec, attention=args.attention), spec, "doctor")
     if args.redispatch_expert_inputs and not args.recompute_adapter_inputs:
         raise SystemExit("regather doctor: --redispatch-expert-inputs rebuilds expert inputs in backward: it needs "
                          "--recompute-adapter-inputs (LoRA refuses redispatch_expert_inputs without "
@@ -103,8 +110,8 @@ def setup_from_args(args) -> Setup:
         in_flight=args.in_flight, dtype=DTYPE_NAMES.get(args.dtype, args.dtype), strategy=args.strategy,
         targets=targets, lora_rank=rank,
         use_nccl_ub=args.use_nccl_ub, cuda_graphs=args.cuda_graphs, cpu_offloading=args.cpu_offloading,
-        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_modules=tuple(args.recompute_modules), recompute_adapter_inputs=args.recompute_adapter_inputs,
+        **recompute(args, "doctor"), cp=args.cp, gpu_memory=args.gpu_memory,
+        recompute_adapter_inputs=args.recompute_adapter_inputs,
         input_requires_grad=args.input_requires_grad, activation=args.activation or base.activation,
         add_bias_linear=base.add_bias_linear if args.add_bias_linear is None else args.add_bias_linear, spec=spec,
         attention_keeps_output=attention(argparse.Namespace(attention=args.attention, spec=spec)) == "fused",
@@ -145,7 +152,8 @@ def header(setup: Setup, built: bool) -> str:
                f"EP={setup.ep} ETP={setup.etp}") if setup.moe else f", ffn {setup.ffn}"
     rc = " + recompute_adapter_inputs" if setup.recompute_adapter_inputs else ""
     return (f"regather doctor: {setup.model_name} (h={setup.hidden}, {setup.layers} layers, {setup.heads} heads{kv}"
-            f"{experts}); TP={setup.tp} SP={'on' if setup.sp else 'off'} PP={setup.pp}, seq {setup.seq}, micro-batch "
+            f"{experts}); TP={setup.tp} SP={'on' if setup.sp else 'off'} PP={setup.pp}"
+            f"{f' CP={setup.cp}' if setup.cp > 1 else ''}, seq {setup.seq}, micro-batch "
             f"{setup.micro_batch}, {setup.dtype}, spec {setup.spec}; LoRA r{setup.lora_rank} on "
             f"{', '.join(setup.targets)}, strategy {setup.strategy}{rc} "
             f"({'built model' if built else 'eligibility rules'})")

@@ -31,11 +31,20 @@ def expert_estimate(setup: Setup):
     (a flex dispatcher: the alltoall one, for bytes, which do not depend on it)."""
     from regather.tools import estimate as est
 
-    model = est.Model(name=setup.model_name, **shape_fields(ModelShape, setup))
+    model = est.Model(name=setup.model_name, **shape_fields(ModelShape, setup),
+                      gated_mlp=setup.activation == "swiglu", qk_norm=setup.qk_norm)
     if model.dispatcher not in REPLAYED_DISPATCHERS:
         model = dataclasses.replace(model, dispatcher="alltoall")
+    from regather.tools.estimate.options import BRIDGE_FULL_RECOMPUTE
+
+    full = setup.recompute_granularity == "full"  # a Setup that names no method / layer count: Bridge's
     return model, est.Run(**shape_fields(RunShape, setup), spec=setup.spec,
-                          attention_keeps_output=setup.attention_keeps_output, te_version=setup.te_version)
+                          attention_keeps_output=setup.attention_keeps_output, te_version=setup.te_version,
+                          cp=setup.cp, recompute_granularity=setup.recompute_granularity,
+                          recompute_method=setup.recompute_method or (BRIDGE_FULL_RECOMPUTE[0] if full else None),
+                          recompute_num_layers=setup.recompute_num_layers or (
+                              BRIDGE_FULL_RECOMPUTE[1] if full else None),
+                          recompute_modules=tuple(setup.recompute_modules))
 
 
 def _variant(d: Mapping) -> str:

@@ -42,10 +42,16 @@ class Setup(ModelShape, RunShape):
     cpu_offloading: bool = False
     recompute_granularity: str | None = None
     recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     recompute_modules: tuple = ()
+    # context parallel size: each CP rank's linears see seq/cp tokens per sample
+    cp: int = 1
+    # the GPU's memory in GiB, beside the per-GPU total
+    gpu_memory: float = 80
     # LoRA(recompute_adapter_inputs=True), and what decides which producers keep a tensor
     recompute_adapter_inputs: bool = False
     activation: str = "gelu"  # the MLP's: "gelu" or "swiglu" (silu, gated)
+    qk_norm: bool = False  # per-head q / k norms (a preset's: Qwen3's qk_layernorm)
     add_bias_linear: bool = True  # megatron's default (the tiny test GPT has biases)
     # the LoRA is Megatron Bridge's own (not regather's), and the Transformer Engine version (te_gradient)
     bridge_lora: bool = False

@@ -88,6 +88,52 @@ def summary(setup: Setup, decisions: Mapping[str, Mapping]) -> dict:
            "experts_note": s["experts_note"], "groups": groups(setup, decisions), "estimate": est}
     if setup.spec == "te" and setup.recompute_adapter_inputs:
         out["te_release"] = te_release(setup)
+    out["peak"] = peak_by_strategy(setup)
+    return out
+
+
+#: the strategies doctor sets side by side for LoRA's kept, peak and per-GPU total
+PEAK_STRATEGIES = ("gather", "regather", "lowrank")
+
+
+def peak_by_strategy(setup: Setup) -> dict:
+    """Per strategy (with ``-recompute`` where the setup asks for it): ``regather estimate``'s kept bytes, peak over
+    the frozen model and per-GPU total for this setup (``{"refused": reason}`` where estimate refuses the layout)."""
+    from regather.tools.estimate import RECOMPUTE, estimate
+
+    names = tuple(n + (RECOMPUTE if setup.recompute_adapter_inputs else "") for n in PEAK_STRATEGIES)
+    try:
+        rows = estimate(*expert_estimate(setup), names, gpu_gib=setup.gpu_memory)
+    except ValueError as exc:
+        return {"refused": str(exc)}
+    return {name: {"kept": r["lora_kept_bytes"], "peak_over_frozen": r["peak"]["peak_over_frozen"],
+                   "lean": r["peak"]["lean"], "checkpoint_alive": r["peak"]["checkpoint_alive"],
+                   "other_output_path": r["peak_other_output_path"]["peak_over_frozen"], "total": r["gpu"]["total"],
+                   "gpu_bytes": r["gpu"]["gpu_bytes"], "fits": r["gpu"]["fits"]} for name, r in rows.items()}
+
+
+def peak_lines(setup: Setup, peaks: dict) -> list[str]:
+    """The per-strategy kept / peak / total lines (modelled), wrapped."""
+    from regather.tools.estimate.report import gb
+
+    if "refused" in peaks:
+        return [f"LoRA's peak and the per-GPU total: not estimated ({peaks['refused']})"]
+    head = (f"LoRA over the frozen model per GPU (modelled: regather estimate's for the same arguments; kept after the "
+            f"forward / peak over frozen / per-GPU total against {setup.gpu_memory:g} GiB):")
+    out = textwrap.wrap(head, WIDTH, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+    if setup.recompute_granularity == "full":
+        out += textwrap.wrap("full activation recompute: nothing inside a checkpointed layer is kept after the forward "
+                             "(LoRA's inputs included); its adapters take the gather path in the recomputed forward, "
+                             "alive until that layer's backward is done", WIDTH, initial_indent="  ",
+                             subsequent_indent="      ", break_long_words=False, break_on_hyphens=False)
+    for name, p in peaks.items():
+        path = "lean" if p["lean"] else "classic, Bridge 0.6.2's" if name.startswith("gather") else "classic"
+        inside = f", {gb(p['checkpoint_alive'])} in a checkpointed layer's backward" if p["checkpoint_alive"] else ""
+        text = (f"{name} ({path} output path): kept {gb(p['kept'])}{inside}; peak {gb(p['peak_over_frozen'])} "
+                f"({'classic' if p['lean'] else 'lean'}: {gb(p['other_output_path'])}); total "
+                f"{p['total'] / 2**30:.2f} GiB, " + ("fits" if p["fits"] else "does NOT fit"))
+        out += textwrap.wrap(text, WIDTH, initial_indent="  ", subsequent_indent="      ", break_long_words=False,
+                             break_on_hyphens=False)
     return out
 
 
@@ -104,8 +150,10 @@ def te_release(setup: Setup) -> dict:
 
 def lines(setup: Setup, summ: dict) -> list[str]:
     """The summary as the command prints it (wrapped at :data:`WIDTH`)."""
-    out = [f"LoRA-A inputs per GPU (modelled): the gather path keeps {gb(summ['gather'])}; this run saves "
-           f"{gb(summ['saved'])}"]
+    after = " after the forward" if setup.recompute_granularity else ""
+    out = textwrap.wrap(f"LoRA-A inputs per GPU (modelled): the gather path keeps {gb(summ['gather'])}{after}; this "
+                        f"run saves {gb(summ['saved'])}", WIDTH, subsequent_indent="    ", break_long_words=False,
+                        break_on_hyphens=False)
     est = summ["estimate"]
     if "refused" in est:
         out.append(f"  (regather estimate refuses this layout: {est['refused']})")
@@ -134,4 +182,6 @@ def lines(setup: Setup, summ: dict) -> list[str]:
     if summ["experts_note"]:
         out += textwrap.wrap(f"experts: {summ['experts_note']}", WIDTH, initial_indent="  ",
                              subsequent_indent="      ", break_long_words=False, break_on_hyphens=False)
+    if "peak" in summ:
+        out += peak_lines(setup, summ["peak"])
     return out

@@ -20,7 +20,9 @@ from regather.tools.estimate.options import (
     apply_layout,
     attention,
     recipe_targets,
+    recompute,
     refuse_contradictions,
+    refuse_cp,
     refuse_recipe,
     sized,
 )
@@ -78,7 +80,9 @@ def run_from_args(args, key: str | None = None) -> Run:
                first_stage=args.first_stage, input_requires_grad=args.input_requires_grad, ep=args.ep, etp=args.etp,
                share_expert_adapters=args.expert_lora == "shared",
                redispatch_expert_inputs=args.redispatch_expert_inputs,
-               attention_keeps_output=attention(args) == "fused", spec=getattr(args, "spec", "local"))
+               attention_keeps_output=attention(args) == "fused", spec=getattr(args, "spec", "local"),
+               cp=getattr(args, "cp", 1), te_version=getattr(args, "te_version", None),
+               **recompute(args, "estimate"))
 
 
 def titan_from_args(args) -> tuple[Model, Run, tuple]:
@@ -88,11 +92,14 @@ def titan_from_args(args) -> tuple[Model, Run, tuple]:
 
     on_line = given(args)
     megatron_only = ("spec", "attention", "recipe", "experts", "expert_lora", "redispatch_expert_inputs",
-                     "dispatcher", "ep", "etp", "grad_dtype", "num_experts", "moe_ffn", "topk")
+                     "dispatcher", "ep", "etp", "grad_dtype", "num_experts", "moe_ffn", "topk", "cp",
+                     "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+                     "te_version", "gpu_memory")
     other = [f"--{n.replace('_', '-')}" for n in megatron_only if n in on_line]
     if other:
         raise SystemExit(f"regather estimate --front-end torchtitan: {', '.join(other)}: Megatron's options "
-                         "(torchtitan's LoRA adapts dense Linear configs; its attention keeps its output)")
+                         "(torchtitan's LoRA adapts dense Linear configs; its attention keeps its output; context "
+                         "parallelism, activation recompute and the per-GPU total are modelled for megatron only)")
     key = args.model if "model" in on_line else TITAN_PRESET
     model = model_from_args(args, key)
     refuse_contradictions(args, model.moe, model.name, "estimate --front-end torchtitan")
@@ -137,6 +144,7 @@ def megatron_from_args(args) -> tuple[Model, Run, tuple]:
     refuse_recipe(args, key, "estimate")
     model = model_from_args(args, key)
     refuse_contradictions(args, model.moe, model.name, "estimate")
+    refuse_cp(args, getattr(args, "spec", "local"), "estimate")
     if model.dispatcher not in REPLAYED_DISPATCHERS:
         raise SystemExit(f"regather estimate: --dispatcher {model.dispatcher}: estimate models "
                          f"{' and '.join(REPLAYED_DISPATCHERS)}, whose route regather replays (doctor reasons about "
@@ -169,13 +177,14 @@ def main(args) -> int:
         return titan_main(args)
     model, run, strategies = megatron_from_args(args)
     try:
-        result = estimate(model, run, strategies)
+        result = estimate(model, run, strategies, gpu_gib=args.gpu_memory)
     except ValueError as exc:  # sizes that do not divide: say which
         raise SystemExit(f"regather estimate: {exc}") from None
     # the TE report says, per strategy, what the local spec keeps and frees (with its own attention
-    # unless --attention was given)
-    local = None if run.spec == "local" else estimate(
-        model, replace(run, spec="local", attention_keeps_output=(args.attention or "unfused") == "fused"), strategies)
+    # unless --attention was given; not under context parallelism, which the local attention cannot run)
+    local_fused = (args.attention or "unfused") == "fused"
+    local = None if run.spec == "local" or (run.cp > 1 and not local_fused) else estimate(
+        model, replace(run, spec="local", attention_keeps_output=local_fused), strategies)
     # the reference and Bridge's recipe belong to the preset: custom sizes have no reference, and a
     # recipe only where --model names the preset they change
     key = args.model

@@ -38,19 +38,23 @@ class Model(ModelShape):
 
     experts: str = "grouped"
     name: str = field(default="model", kw_only=True)
+    # the dense MLP is gated (SwiGLU: fc1 makes gate and up, 2 x ffn wide), as in every preset
+    gated_mlp: bool = field(default=False, kw_only=True)
+    # per-head RMSNorm on q and k before the rotary embedding (Qwen3's qk_layernorm)
+    qk_norm: bool = field(default=False, kw_only=True)
 
 
 PRESETS = {
     "qwen3-8b": Model(name="Qwen3-8B", hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
-                      ffn=12288, vocab=151936),
+                      ffn=12288, vocab=151936, gated_mlp=True, qk_norm=True),
     "qwen3-30b-a3b": Model(name="Qwen3-30B-A3B", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, ffn=0,
-                           num_experts=128, moe_ffn=768, topk=8, vocab=151936),
+                           num_experts=128, moe_ffn=768, topk=8, vocab=151936, gated_mlp=True, qk_norm=True),
     "gpt-oss-120b": Model(name="GPT-OSS-120B", hidden=2880, layers=36, heads=64, kv_heads=8, head_dim=64, ffn=0,
-                          num_experts=128, moe_ffn=2880, topk=4, vocab=201088),
+                          num_experts=128, moe_ffn=2880, topk=4, vocab=201088, gated_mlp=True),
     "llama3-70b": Model(name="Llama3-70B", hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128,
-                        ffn=28672, vocab=128256),
+                        ffn=28672, vocab=128256, gated_mlp=True),
     "llama3-8b": Model(name="Llama3-8B", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
-                       ffn=14336, vocab=128256),
+                       ffn=14336, vocab=128256, gated_mlp=True),
 }
 
 
@@ -138,10 +142,24 @@ class Run(RunShape):
     # the Transformer Engine version on the TE spec, which decides whether recompute releases TE's
     # ln_out (regather.tools.estimate.spec.te_release_reason); None: the newest version read
     te_version: str | None = None
+    # context parallel size: each CP rank's linears see seq/cp tokens per sample (docs/design.md 3.8)
+    cp: int = 1
+    # megatron's activation recompute (TransformerConfig.recompute_*): "full" checkpoints whole layers
+    # (recompute_method "uniform": groups of recompute_num_layers; "block": the first recompute_num_layers),
+    # "selective" the recompute_modules ("mlp" the dense MLP, "moe" the MoE layer, "core_attn" the attention)
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: tuple = ()
 
     @property
     def e(self) -> int:
         return self.dtype_bytes
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens per sample this GPU's linears see: the sequence over context parallelism."""
+        return self.seq // self.cp
 
     @property
     def eg(self) -> int:
@@ -151,6 +169,12 @@ class Run(RunShape):
 def expert_lora(model: Model, run: Run) -> str:
     """``"shared"``: one LoRA pair for a MoE layer's local experts; ``"per-expert"``: one per expert."""
     return "shared" if experts_share_lora(model, run) else "per-expert"
+
+
+def lean_output(strategy: str) -> bool:
+    """Whether ``strategy``'s adapters run the lean output path (``LoRA(lean_transients=None)``, the default: every
+    strategy but the gather path, which stays Megatron Bridge's bit for bit; docs/design.md 3.7)."""
+    return split_strategy(strategy)[0] != "gather"
 
 
 def split_strategy(name: str) -> tuple[str, bool]:
@@ -176,8 +200,18 @@ def check_run(model: Model, run: Run) -> None:
              if n < 1]
     if small:
         raise ValueError(f"{', '.join(small)}: must be at least 1")
-    if run.sp and run.seq % run.tp:
-        raise ValueError(f"sequence {run.seq} is not divisible by TP {run.tp}")
+    if run.cp < 1:
+        raise ValueError(f"CP {run.cp}: must be at least 1")
+    if run.cp > 1 and run.seq % (2 * run.cp):
+        raise ValueError(f"sequence {run.seq} does not split into 2 x CP = {2 * run.cp} chunks (megatron gives each "
+                         "CP rank two chunks, for causal load balance)")
+    if run.cp > 1 and run.spec == "local" and not run.attention_keeps_output:
+        raise ValueError(f"CP {run.cp} on the local spec's unfused attention: megatron's local DotProductAttention "
+                         "asserts context_parallel_size == 1 (CP runs through Transformer Engine's attention: --spec te)")
+    if run.sp and run.local_seq % run.tp:
+        raise ValueError(f"sequence {run.local_seq}" + (f" (per CP rank: {run.seq}/{run.cp})" if run.cp > 1 else "")
+                         + f" is not divisible by TP {run.tp}")
+    check_recompute(run)
     # megatron splits the heads, the query groups and the dense MLP over TP and refuses what does not divide
     split = [f"{what} {n}" for what, n in (("heads", model.heads), ("query groups", model.kv_heads or model.heads),
                                             ("ffn", model.ffn)) if n % run.tp]
@@ -207,6 +241,68 @@ def check_run(model: Model, run: Run) -> None:
     if run.tp > 1 and not run.sp:
         raise ValueError(f"TP {run.tp} without sequence parallelism: megatron's MoELayer refuses to train "
                          "a MoE model so")
+
+
+#: --recompute-granularity and --recompute-method's choices (megatron's TransformerConfig)
+GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def check_recompute(run: Run) -> None:
+    """A ``ValueError`` for recompute settings megatron's ``TransformerConfig`` refuses (full needs a method and a
+    layer count; selective takes neither)."""
+    g = run.recompute_granularity
+    if g is not None and g not in GRANULARITIES:
+        raise ValueError(f"recompute_granularity={g!r}: expected one of {GRANULARITIES}")
+    if g == "full":
+        if run.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"full recompute with recompute_method={run.recompute_method!r}: megatron needs "
+                             f"{' or '.join(RECOMPUTE_METHODS)}")
+        if not run.recompute_num_layers or run.recompute_num_layers < 1:
+            raise ValueError(f"full recompute with recompute_num_layers={run.recompute_num_layers}: megatron needs "
+                             "1 to the layers of a pipeline stage")
+    elif run.recompute_method is not None or run.recompute_num_layers is not None:
+        raise ValueError(f"recompute_method={run.recompute_method!r}, recompute_num_layers="
+                         f"{run.recompute_num_layers}: only with full recompute (megatron refuses them otherwise)")
+
+
+def recompute_modules(run: Run) -> tuple:
+    """The modules selective recompute checkpoints (megatron's default ``("core_attn",)`` where none are named);
+    none without selective recompute."""
+    if run.recompute_granularity != "selective":
+        return ()
+    return tuple(run.recompute_modules) or ("core_attn",)
+
+
+def checkpointed_layers(model: Model, run: Run) -> list[bool]:
+    """Per layer of this GPU: whether full recompute checkpoints it (nothing inside it is kept after the forward:
+    megatron's ``TransformerBlock._checkpointed_forward``, uniform groups or the first ``recompute_num_layers``)."""
+    n = layers_here(model, run)
+    if run.recompute_granularity != "full":
+        return [False] * n
+    if run.recompute_method == "block":
+        return [i < run.recompute_num_layers for i in range(n)]
+    return [True] * n
+
+
+def checkpoint_group(model: Model, run: Run) -> int:
+    """Layers whose recomputed activations are alive at once in a checkpointed layer's backward (uniform: a group
+    of ``recompute_num_layers``; block: one layer; 0 without full recompute)."""
+    if run.recompute_granularity != "full":
+        return 0
+    return min(run.recompute_num_layers, layers_here(model, run)) if run.recompute_method == "uniform" else 1
+
+
+def checkpointed_target(model: Model, run: Run, layer_checkpointed: bool, target: str) -> bool:
+    """Whether an adapter on ``target`` (a dense name, or ``experts.linear_fc1`` / ``experts.linear_fc2``) runs
+    inside megatron's activation checkpoint in a layer (``layer_checkpointed``: full recompute's): full recompute,
+    or selective ``mlp`` (a dense MLP's fc1 / fc2) or ``moe`` (the expert linears)."""
+    if layer_checkpointed:
+        return True
+    modules = recompute_modules(run)
+    if target.startswith("experts."):
+        return "moe" in modules
+    return "mlp" in modules and not model.moe and target in ("linear_fc1", "linear_fc2")
 
 
 def layers_here(model: Model, run: Run) -> int:
@@ -264,3 +360,10 @@ class AdapterInput:
     kept_because: str | None = None
     adapters: int = 1
     shared_with: str | None = None  # kept anyway by this op for its own backward: 0 new bytes
+    # the rank-r tensor LoRA-B keeps for its weight gradient (``mid``, per micro-batch): [s, b, r], and on its
+    # sequence shard [s/t, b, r] for a lean row adapter under SP (docs/design.md 3.7)
+    mid_bytes: int = 0
+    # inside megatron's activation checkpoint (full recompute, selective mlp / moe): nothing is kept after the
+    # forward (kept_bytes and mid_bytes 0); what the adapter keeps in its layer's recomputed forward, alive until
+    # that layer's backward is done (the gather path's input and mid: a checkpointed adapter takes the gather path)
+    checkpointed_bytes: int | None = None

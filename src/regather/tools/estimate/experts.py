@@ -73,6 +73,8 @@ over the group (:mod:`regather.megatron.moe.inputs`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from regather.core.recompute.graph import NOTHING_KEPT
 from regather.megatron.reasons import PREDISPATCH, REDISPATCH, REDISPATCH_OPT_IN, ROUTER_KEEPS_NOTHING
 from regather.tools.estimate.config import (
@@ -80,8 +82,11 @@ from regather.tools.estimate.config import (
     Model,
     Run,
     check_run,
+    checkpointed_layers,
+    checkpointed_target,
     expert_lora,
     needs_grad,
+    recompute_modules,
     ring,
     split_strategy,
 )
@@ -93,7 +98,7 @@ EXPERTS_ACTIVATION = "the experts' activation"  # the producer of an expert fc2 
 def local_tokens(run: Run) -> int:
     """``T``: the tokens of one micro-batch a GPU routes — its sequence shard ``s*b/t`` (SP on;
     ``s*b`` at TP 1)."""
-    return run.seq * run.micro_batch // (run.tp if run.sp else 1)
+    return run.local_seq * run.micro_batch // (run.tp if run.sp else 1)
 
 
 def routed_rows(model: Model, run: Run) -> int:
@@ -168,8 +173,19 @@ def expert_inputs(model: Model, run: Run, strategy: str) -> list[list[AdapterInp
                                         kept_because=f"{EXPERTS_ACTIVATION}: {NOTHING_KEPT}"))
             else:
                 row.append(AdapterInput("experts.linear_fc2", 0, recomputed_from=EXPERTS_ACTIVATION, adapters=n))
+        # LoRA-B's rank-r input, [R, r] for the layer's routed rows (every strategy: experts take the dispatched
+        # path); inside a checkpoint (full recompute, selective "moe") nothing is kept after the forward
+        row = [replace(a, mid_bytes=rows * run.lora_rank * e) for a in row]
         layers.append(row)
-    return layers
+    full = checkpointed_layers(model, run)
+    if not any(full) and "moe" not in recompute_modules(run):
+        return layers
+    plain = replace(run, recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                    recompute_modules=())
+    gather = expert_inputs(model, plain, "gather")
+    return [[AdapterInput(a.target, 0, adapters=a.adapters, checkpointed_bytes=g.kept_bytes + g.mid_bytes)
+             if checkpointed_target(model, run, full[i], a.target) else a for a, g in zip(row, gather[i])]
+            for i, row in enumerate(layers)]
 
 
 def predispatch_comm(model: Model, run: Run) -> list[tuple[str, int, str]]:

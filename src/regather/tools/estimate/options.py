@@ -14,7 +14,7 @@ from regather.tools.estimate.config import LAYOUTS, PRESETS, RECIPES
 # a named --recipe's layout fields, as the command line names them
 LAYOUT_FLAGS = {"tp": "--tp", "sp": "--no-sp", "seq": "--seq", "micro_batch": "--micro-batch"}
 # options a named --recipe fixes to these values (its recipes run PP 1, EP 1)
-LAYOUT_FIXED = {"pp": ("--pp", 1), "ep": ("--ep", 1), "etp": ("--etp", 1)}
+LAYOUT_FIXED = {"pp": ("--pp", 1), "ep": ("--ep", 1), "etp": ("--etp", 1), "cp": ("--cp", 1)}
 #: the sizes a command line may give (flag destinations, also ModelShape's fields)
 SIZES = ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "num_experts", "moe_ffn", "topk")
 #: the tiny GPT made MoE (--moe, or --num-experts on --model tiny): the test MoE's experts
@@ -105,7 +105,7 @@ def apply_layout(args, command: str = "estimate") -> None:
             shown = "" if field == "sp" else f" {getattr(args, field)}"
             wrong.append(f"{flag}{shown} (it runs {field.replace('_', '-')} {getattr(layout, field)})")
     wrong += [f"{flag} {getattr(args, field)} (it runs {value})" for field, (flag, value) in LAYOUT_FIXED.items()
-              if getattr(args, field) != value]
+              if getattr(args, field, value) != value]
     if wrong:
         raise SystemExit(f"regather {command} --recipe {name}: {', '.join(wrong)}; leave them out or drop the layout")
     args.model, args.tp, args.sp, args.seq, args.micro_batch = (layout.preset, layout.tp, layout.sp, layout.seq,
@@ -155,6 +155,43 @@ def refuse_contradictions(args, moe: bool, name: str, command: str) -> None:
                      "micro-batch's activations are alive at a time)")
     if wrong:
         raise SystemExit(f"regather {command}: " + "; ".join(wrong))
+
+
+#: full recompute where the command line names no method / layer count: as Bridge's recipes set it
+#: (qwen3 / qwen3_moe recipes: recompute_method "uniform", recompute_num_layers 1)
+BRIDGE_FULL_RECOMPUTE = ("uniform", 1)
+
+
+def recompute(args, command: str) -> dict:
+    """megatron's activation recompute of the command line, as ``Run`` / ``Setup`` fields: ``--recompute-granularity
+    full`` without ``--recompute-method`` / ``--recompute-num-layers`` takes Bridge's (uniform, 1 layer); exits naming
+    the values where megatron's ``TransformerConfig`` would refuse them."""
+    g = getattr(args, "recompute_granularity", None)
+    method, n = getattr(args, "recompute_method", None), getattr(args, "recompute_num_layers", None)
+    modules = tuple(getattr(args, "recompute_modules", ()) or ())
+    wrong = []
+    if g != "full" and (method or n):
+        shown = " ".join(f for f, v in (("--recompute-method", method), ("--recompute-num-layers", n)) if v)
+        wrong.append(f"{shown} needs --recompute-granularity full (megatron refuses a method or layer count "
+                     + ("with selective recompute)" if g else "without recompute)"))
+    if modules and g != "selective":
+        wrong.append(f"--recompute-modules {','.join(modules)} needs --recompute-granularity selective")
+    if wrong:
+        raise SystemExit(f"regather {command}: " + "; ".join(wrong))
+    if g == "full":
+        method, n = method or BRIDGE_FULL_RECOMPUTE[0], n or BRIDGE_FULL_RECOMPUTE[1]
+    return {"recompute_granularity": g, "recompute_method": method, "recompute_num_layers": n,
+            "recompute_modules": modules}
+
+
+def refuse_cp(args, spec: str, command: str) -> None:
+    """``--cp`` > 1 on megatron's local spec with its unfused attention: megatron runs context parallelism through
+    Transformer Engine's attention only; exits naming the values."""
+    cp = getattr(args, "cp", 1)
+    if cp > 1 and spec == "local" and attention(args) == "unfused":
+        raise SystemExit(f"regather {command}: --cp {cp} with --spec local's unfused attention: megatron's local "
+                         "DotProductAttention asserts context_parallel_size == 1 (context parallelism runs through "
+                         "Transformer Engine's attention: --spec te, or --attention fused)")
 
 
 def attention(args) -> str:

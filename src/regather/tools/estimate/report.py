@@ -12,8 +12,11 @@ from regather.tools.estimate.config import (
     eligible_per_layer,
     expert_lora,
     layers_here,
+    recompute_modules,
 )
 from regather.tools.estimate.experts import expert_layout
+from regather.tools.estimate.memory import TOTAL_HOW
+from regather.tools.estimate.peak import PEAK_HOW
 from regather.tools.estimate.spec import HOW_OBTAINED, LOCAL, spec_lines, te_release_reason, te_version
 from regather.tools.estimate.summary import adapter_input_bytes, saved_vs_gather
 
@@ -39,7 +42,7 @@ def reference_for(preset: str, model: Model, run: Run) -> dict | None:
     """The reference's measurement for ``preset`` when this run has its layout (TP and EP; the
     sequence length too where the reference states it), else None (and for custom sizes)."""
     ref = REFERENCE.get(preset)
-    if ref is None or model.name.endswith("(custom)") or (ref["tp"], ref["ep"]) != (run.tp, run.ep):
+    if ref is None or model.name.endswith("(custom)") or (ref["tp"], ref["ep"], 1) != (run.tp, run.ep, run.cp):
         return None
     if ref["seq_stated"] and ref["seq"] != run.seq:
         return None
@@ -135,7 +138,9 @@ def run_json(model: Model, run: Run) -> dict:
             "targets": list(run.targets), "first_stage": run.first_stage,
             "input_requires_grad": run.input_requires_grad, "ep": run.ep, "etp": run.etp,
             "expert_lora": expert_lora(model, run), "redispatch": run.redispatch_expert_inputs,
-            "dispatcher": model.dispatcher}
+            "dispatcher": model.dispatcher, "cp": run.cp, "local_seq": run.local_seq,
+            "recompute": {"granularity": run.recompute_granularity, "method": run.recompute_method,
+                          "num_layers": run.recompute_num_layers, "modules": list(recompute_modules(run))}}
 
 
 def as_json(model: Model, run: Run, result: dict, reference: dict | None = None, same: dict | None = None,
@@ -145,7 +150,8 @@ def as_json(model: Model, run: Run, result: dict, reference: dict | None = None,
     the same run on the local spec), each strategy's ``"local_spec"`` bytes and saving; the local
     spec's document is as it was before ``--spec`` existed."""
     out = {"model": model_json(model), "run": run_json(model, run), "experts": expert_layout(model, run),
-           "strategies": result, "reference_saved": reference}
+           "strategies": result, "reference_saved": reference,
+           "how_obtained_peak": {"lora_kept_bytes": KEPT_HOW, "peak": PEAK_HOW, "gpu": TOTAL_HOW}}
     if run.spec != LOCAL:
         out["spec"] = run.spec
         out["te_release"] = {"version": te_version(run), "assumed": run.te_version is None,
@@ -160,6 +166,53 @@ def as_json(model: Model, run: Run, result: dict, reference: dict | None = None,
     if same is not None:  # only where asked: the default document is unchanged
         out["same_work"] = same
     return out
+
+
+KEPT_HOW = ("modelled: each adapter's LoRA-A input (the bytes regather bench counts, byte for byte on CPU) and "
+            "LoRA-B's rank-r mid; nothing inside an activation checkpoint")
+
+
+def run_extras(model_run: Run) -> list[str]:
+    """The run line's context parallelism and activation recompute, where set."""
+    run = model_run
+    out = []
+    if run.cp > 1:
+        out.append(f"context parallel: CP={run.cp}, each CP rank's linears see {run.local_seq} tokens per sample "
+                   f"(seq/cp); LoRA's TP collectives run on them unchanged (docs/design.md 3.8)")
+    if run.recompute_granularity == "full":
+        what = (f"uniform, groups of {run.recompute_num_layers} layer(s)" if run.recompute_method == "uniform" else
+                f"block, the first {run.recompute_num_layers} layer(s)")
+        out.append(f"activation recompute: full ({what}): nothing inside a checkpointed layer is kept after the "
+                   "forward, LoRA's inputs included; its adapters take the gather path in the recomputed forward "
+                   "(regather.megatron.dense.eligibility), whose bytes are alive until that layer's backward is done")
+    elif run.recompute_granularity == "selective":
+        out.append(f"activation recompute: selective, {', '.join(recompute_modules(run))}"
+                   + (" (the dense MLP's adapters keep nothing after the forward)" if "mlp" in recompute_modules(run)
+                      else "") + (" (the expert adapters keep nothing after the forward)"
+                                  if "moe" in recompute_modules(run) else ""))
+    return out
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def peak_lines(row: dict) -> list[str]:
+    """A strategy's kept, peak and per-GPU total lines (modelled)."""
+    p, other, g = row["peak"], row["peak_other_output_path"], row["gpu"]
+    path, other_path = ("lean", "classic") if p["lean"] else ("classic", "lean")
+    t = p["transient"]
+    lines = [f"  LoRA kept after forward     : {gb(row['lora_kept_bytes'])} (LoRA-A inputs + rank-r mid)",
+             f"  LoRA peak over frozen       : {gb(p['peak_over_frozen'])} ({path} output path; its largest "
+             f"transient {gb(t['bytes'])}, {t['target']}, {t['what']}; the {other_path} output path: "
+             f"{gb(other['peak_over_frozen'])})"]
+    if p["checkpoint_alive"]:
+        lines.append(f"    in a checkpointed layer's backward LoRA keeps {gb(p['checkpoint_alive'])} (recomputed)")
+    parts = ", ".join(f"{k} {gib(v)}" for k, v in g["parts"].items())
+    fit = "" if "fits" not in g else (f" of {gib(g['gpu_bytes'])}: " + (
+        f"fits, {gib(g['headroom'])} free" if g["fits"] else f"does NOT fit, {gib(-g['headroom'])} over"))
+    lines.append(f"  per-GPU total               : {gib(g['total'])}{fit} ({parts})")
+    return lines
 
 
 def gb(n: int) -> str:
@@ -193,7 +246,7 @@ def reference_on_te(model: Model, run: Run) -> dict | None:
     if not eligible_per_layer(model, run):
         return None
     frees = saved_vs_gather(model, run, "regather")
-    buffer = run.seq * run.micro_batch * model.hidden * run.e
+    buffer = run.local_seq * run.micro_batch * model.hidden * run.e
     return {"regather_frees": frees, "buffer": buffer, "peak_drop": frees - buffer}
 
 
@@ -208,6 +261,7 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
         + (f"{model.num_experts} experts x {model.moe_ffn} top-{model.topk}" if model.moe else f"ffn {model.ffn}"),
         f"run: TP={run.tp} SP={'on' if run.sp else 'off'} seq={run.seq} micro-batch={run.micro_batch} "
         f"in-flight={run.in_flight} PP={run.pp} {run.dtype} LoRA r={run.lora_rank} on {', '.join(run.targets)}",
+        *run_extras(run),
         *_expert_lines(model, run),
         f"re-gather-eligible adapters per layer: {', '.join(eligible) or 'none'}",
         "decoder input: " + ("requires grad" if run.input_requires_grad else
@@ -216,6 +270,7 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
                              "maybe_enable_recompute_inputs_grad / HF's enable_input_require_grads)"),
     ]
     lines += spec_lines(run) if run.spec != LOCAL else [LOCAL_HOW]
+    lines += [f"LoRA kept, peak and the per-GPU total: {PEAK_HOW}; the total: {TOTAL_HOW}"]
     if reference:
         lines.append(f"reference measured ({REFERENCE_IS}; {reference['note']}): {gb(reference['saved'])}"
                      + (f"; this estimate: LoRA on {_names(run.targets)}, r={run.lora_rank} (the reference does "
@@ -257,6 +312,7 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
         if row.get("shared_by_target"):
             shared = ", ".join(f"{k} {v}" for k, v in row["shared_by_target"].items())
             lines.append(f"  inputs kept anyway, 0 new B : {shared} (the attention output)")
+        lines += peak_lines(row)
         comm = row["extra_comm_bytes"]
         if comm:
             kinds = ", ".join(f"{k} {v / 2**20:+,.1f} MiB" for k, v in comm.items())

@@ -107,7 +107,7 @@ def te_shard_beside(model: Model, run: Run, gathered: bool) -> int:
     spec), else 0 (on TE LoRA-A's input is then the very tensor TE keeps; the local spec keeps none)."""
     if run.spec != TE or not gathered or replicated(run):
         return 0
-    return run.seq * run.micro_batch * model.hidden * run.e // run.tp
+    return run.local_seq * run.micro_batch * model.hidden * run.e // run.tp
 
 
 def recompute_line(run: Run) -> str:

@@ -31,6 +31,16 @@ def adapter_input_bytes(model: Model, run: Run, strategy: str) -> dict:
     return {k: v * run.in_flight for k, v in per_target.items()}
 
 
+def lora_kept_bytes(model: Model, run: Run, strategy: str) -> dict:
+    """What LoRA keeps after the forward per GPU, by target (all micro-batches in flight): the LoRA-A inputs and
+    LoRA-B's rank-``r`` ``mid`` (:mod:`regather.tools.estimate.peak`); 0 inside an activation checkpoint."""
+    per_target: dict[str, int] = {}
+    for row in adapter_inputs(model, run, strategy) + expert_inputs(model, run, strategy):
+        for a in row:
+            per_target[a.target] = per_target.get(a.target, 0) + a.kept_bytes + a.mid_bytes
+    return {k: v * run.in_flight for k, v in per_target.items()}
+
+
 def recompute_summary(model: Model, run: Run, strategy: str) -> dict:
     """How many adapters recompute their input, by target, and why the others keep it (an
     expert row counts each of the layer's LoRA pairs it stands for)."""
@@ -84,12 +94,20 @@ def saved_vs_gather(model: Model, run: Run, strategy: str) -> int:
         adapter_input_bytes(model, run, strategy).values())
 
 
-def estimate(model: Model, run: Run, strategies=ALL_STRATEGIES) -> dict:
+def estimate(model: Model, run: Run, strategies=ALL_STRATEGIES, gpu_gib: float | None = None) -> dict:
     """Per strategy: adapter-input bytes (dense and expert adapters), saved vs gather, extra comm
     (net by kind, and the bytes of the collectives it adds), and which adapters read a tensor kept
     anyway (``shared_by_target``, only when there is one). ``…-recompute`` rows also give
     the saving for both states of the decoder input (frozen embeddings: layer 0's qkv keeps
-    its shard; an input that requires grad: it recomputes too) and what recomputes."""
+    its shard; an input that requires grad: it recomputes too) and what recomputes. Every row also has what LoRA
+    keeps (``lora_kept_bytes``: its LoRA-A inputs and rank-``r`` tensors), LoRA's peak over the frozen model
+    (``peak``, :func:`regather.tools.estimate.peak.peak`, and ``peak_other_output_path``: the classic output path's
+    for a lean strategy, the lean one's for the gather path) and the per-GPU total, against ``gpu_gib`` GiB where
+    given (``gpu``, :func:`regather.tools.estimate.memory.gpu_total`)."""
+    from regather.tools.estimate.config import lean_output
+    from regather.tools.estimate.memory import gpu_total
+    from regather.tools.estimate.peak import peak
+
     out = {}
     for name in strategies:
         parts = adapter_input_bytes(model, run, name)
@@ -103,6 +121,12 @@ def estimate(model: Model, run: Run, strategies=ALL_STRATEGIES) -> dict:
             "extra_comm_total": sum(comm.values()),
             "added_comm_bytes": sum(n for _, n, _ in changes if n > 0),
         }
+        kept = lora_kept_bytes(model, run, name)
+        row["lora_kept_bytes"] = sum(kept.values())
+        row["lora_kept_by_target"] = kept
+        row["peak"] = peak(model, run, name)
+        row["peak_other_output_path"] = peak(model, run, name, lean=not lean_output(name))
+        row["gpu"] = gpu_total(model, run, name, gpu_gib)
         shared = shared_summary(model, run, name)
         if shared:  # only where asked (--attention fused): the default document is unchanged
             row["shared_by_target"] = shared

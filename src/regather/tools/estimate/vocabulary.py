@@ -41,7 +41,8 @@ STRATEGY_NAMES = ("gather", "regather", "lowrank")
 SUFFIXES = ("plain", "recompute", "redispatch")
 #: named in the refusal of an unknown strategy
 KNOWN_STRATEGIES = ("gather", "regather", "lowrank", "gather-recompute", "regather-recompute", "lowrank-recompute",
-                    "regather-plain", "regather-recompute-redispatch", "lowrank-recompute-redispatch", "torchtitan")
+                    "regather-plain", "regather-classic", "gather-lean", "regather-recompute-redispatch",
+                    "lowrank-recompute-redispatch", "torchtitan")
 COMMANDS = ("demo", "bench", "estimate", "doctor")
 #: argument groups, in the order --help lists them
 GROUPS = {"model": "model", "experts": "mixture of experts", "run": "run", "lora": "LoRA",
@@ -224,10 +225,15 @@ FLAGS: list[Flag] = [
                 D: " (--build: the CPU ranks spawned)"}),
     Flag(("--no-sp",), "sequence parallelism off", (E, D), "run", dest="sp", switch=False, default=True),
     Flag(("--pp",), "pipeline stages (layers per GPU = layers/pp)", (E, D), "run", type=positive, default=1),
+    Flag(("--cp",), "context parallel size: each CP rank's linears see seq/cp tokens of every sample (megatron's "
+         "context_parallel_size; it runs through Transformer Engine's attention, so --spec te or --attention fused)",
+         (E, D), "run", type=positive, default=1),
     Flag(("--in-flight",), "micro-batches whose activations are alive at once on this GPU (a pipeline schedule's; "
          "1 without pipeline parallelism)", (E, D), "run", type=positive, default=1),
     Flag(("--later-stage",), "this GPU is a later pipeline stage (its input comes from p2p and requires grad; "
          "needs --pp > 1)", (E,), "run", dest="first_stage", switch=False, default=True),
+    Flag(("--gpu-memory",), "the GPU's memory in GiB, set beside the per-GPU total (an H100 80 GB: 80)", (E, D),
+         "run", type=positive_number, default=80),
     Flag(("--seq",), "sequence length (tokens per sample)", (M, B, E, D), "run", type=positive, defaults={M: 128},
          unset={E: f"8192 for a preset, 32 for {TINY}", D: f"8192 for a preset, 32 for {TINY}"}),
     Flag(("--micro-batch",), "micro-batch size (samples)", (M, B, E, D), "run", type=positive, defaults={M: 4},
@@ -249,8 +255,9 @@ FLAGS: list[Flag] = [
     Flag(("--strategy",), "what LoRA asks for: gather (Bridge's default), regather "
          "(sequence_parallel_input_regather=True), lowrank", (D,), "lora", choices=STRATEGY_NAMES, default="regather"),
     Flag(("--strategies",), "comma list of strategies and variants: gather, regather, lowrank, each with -recompute "
-         "(recompute_adapter_inputs=True); regather-plain (no early re-gather); <strategy>-recompute-redispatch "
-         "(MoE); torchtitan (torchtitan's own LoRA) and <strategy>[-plain][-recompute] on --front-end torchtitan",
+         "(recompute_adapter_inputs=True); regather-plain (no early re-gather); regather-classic (regather with the "
+         "classic output path, lean_transients=False), gather-lean (gather with the lean one); "
+         "<strategy>-recompute-redispatch (MoE); torchtitan (torchtitan's own LoRA) and <strategy>[-plain][-recompute] on --front-end torchtitan",
          (B, E), "lora", type=strategies,
          unset={E: "every megatron one: " + ",".join(KNOWN_STRATEGIES[:6]) + "; --front-end torchtitan: "
                    + ",".join(TITAN_VARIANTS),
@@ -271,19 +278,27 @@ FLAGS: list[Flag] = [
     Flag(("--bridge-lora",), "the run uses Megatron Bridge's own LoRA (--strategy regather: with "
          "sequence_parallel_input_regather=True): checks what it asks Transformer Engine for", (D,), "lora",
          switch=True),
-    Flag(("--te-version",), "the Transformer Engine version of the run", (D,), "lora", type=te_version,
-         unset="the one installed here, if any"),
+    Flag(("--te-version",), "the Transformer Engine version of the run (--spec te: whether recompute releases the "
+         "ln_out TE keeps for LoRA)", (E, D), "lora", type=te_version,
+         unset={D: "the one installed here, if any", E: "the newest read"}),
     # -- features doctor checks ------------------------------------------------------------------------------
     Flag(("--use-nccl-ub",), "NCCL user-buffer registration (nccl_ub)", (D,), "features", switch=True),
     Flag(("--cuda-graphs",), "CUDA graphs (cuda_graph_impl)", (D,), "features", switch=True),
     Flag(("--cpu-offloading",), "activation offloading to CPU", (D,), "features", switch=True),
-    Flag(("--recompute-granularity",), "megatron's activation recompute (recompute_granularity)", (D,), "features",
-         choices=("full", "selective"), unset="none"),
-    Flag(("--recompute-method",), "megatron's recompute_method (with --recompute-granularity full)", (D,),
-         "features", choices=("uniform", "block"), unset="none"),
+    Flag(("--recompute-granularity",), "megatron's activation recompute (recompute_granularity): full checkpoints "
+         "whole layers, so nothing inside them (LoRA's inputs included) is kept after the forward; selective the "
+         "--recompute-modules", (E, D), "features", choices=("full", "selective"), unset="none"),
+    Flag(("--recompute-method",), "megatron's recompute_method (with --recompute-granularity full): uniform = groups "
+         "of --recompute-num-layers layers, block = only the first --recompute-num-layers layers", (E, D),
+         "features", choices=("uniform", "block"), unset="uniform with --recompute-granularity full (as Bridge's "
+                                                         "recipes set it), else none"),
+    Flag(("--recompute-num-layers",), "megatron's recompute_num_layers (with --recompute-granularity full)", (E, D),
+         "features", type=positive, unset="1 with --recompute-granularity full (as Bridge's recipes set it), else "
+                                          "none"),
     Flag(("--recompute-modules",), "comma list, some of " + ", ".join(RECOMPUTE_MODULES) + " (megatron's "
-         "recompute_modules, with --recompute-granularity selective)", (D,), "features", type=recompute_modules,
-         default=(), unset="none"),
+         "recompute_modules, with --recompute-granularity selective; none named: megatron's default, core_attn)",
+         (E, D), "features", type=recompute_modules, default=(), unset="none"),
+
     # -- measurement --------------------------------------------------------------------------------------------
     Flag(("--steps",), "training steps per strategy (the strategies' steps interleaved)", (M, B), "measure",
          type=positive, defaults={M: 30}),
