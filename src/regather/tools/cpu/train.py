@@ -94,13 +94,16 @@ def lora_for(cfg: RunConfig) -> LoRA:
 
     name, overrides = VARIANTS.get(cfg.strategy, (cfg.strategy, {}))
     strategy = Strategy.parse(name)
+    lean = {} if cfg.lean_transients is None else {"lean_transients": cfg.lean_transients}
+    if lean and "lean_transients" in overrides and overrides["lean_transients"] != cfg.lean_transients:
+        raise ValueError(f"RunConfig(strategy={cfg.strategy!r}, lean_transients={cfg.lean_transients!r}): the variant "
+                         f"sets lean_transients={overrides['lean_transients']!r}")
     kwargs = dict(
         target_modules=list(cfg.targets),
         dim=cfg.lora_dim,
         alpha=cfg.lora_alpha,
         lora_B_init_method=cfg.lora_B_init_method,
-        **({} if cfg.lean_transients is None else {"lean_transients": cfg.lean_transients}),
-        **overrides,
+        **{**lean, **overrides},
     )
     cls = LoRA
     if cfg.canonical:
