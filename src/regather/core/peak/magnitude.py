@@ -138,27 +138,31 @@ class MagnitudeScale(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        grad_m = None
-        if ctx.needs_input_grad[1]:
-            saved = ctx.saved_tensors
-            d = flat_rows(dy)
-            acc = torch.zeros(d.shape[-1], dtype=_acc_dtype(dy.dtype), device=dy.device)
-            if ctx.rebuild is None:
-                z = flat_rows(saved[0])
-                for rows in row_chunks(d.shape[0], d.shape[1] * d.element_size()):
-                    acc.add_(torch.mul(d[rows], z[rows]).sum(0, dtype=acc.dtype))
-            else:
-                for out_rows, z_rows in ctx.rebuild.chunks(saved):
-                    start = 0
-                    for rows in out_rows:
-                        n = rows.stop - rows.start
-                        acc.add_(torch.mul(d[rows], z_rows[start:start + n]).sum(0, dtype=acc.dtype))
-                        start += n
-            if ctx.group is not None:
-                comm.all_reduce_(acc, ctx.group)
-            grad_m = acc.div_(ctx.norm).to(ctx.g.dtype)
+        grad_m = _magnitude_grad(ctx, dy) if ctx.needs_input_grad[1] else None  # its views of dy gone after it
         grad_z = scale_grad(dy, ctx.g) if ctx.needs_input_grad[0] else None
         return (grad_z, grad_m, None, None, None) + (None,) * ctx.n_rebuild
+
+
+def _magnitude_grad(ctx, dy: torch.Tensor) -> torch.Tensor:
+    """``dm = Σ_tokens dy ⊙ z / n``, one row chunk of ``dy ⊙ z`` at a time (fp32 sums), all-reduced over
+    ``ctx.group`` when the tokens are split over it."""
+    saved = ctx.saved_tensors
+    d = flat_rows(dy)
+    acc = torch.zeros(d.shape[-1], dtype=_acc_dtype(dy.dtype), device=dy.device)
+    if ctx.rebuild is None:
+        z = flat_rows(saved[0])
+        for rows in row_chunks(d.shape[0], d.shape[1] * d.element_size()):
+            acc.add_(torch.mul(d[rows], z[rows]).sum(0, dtype=acc.dtype))
+    else:
+        for out_rows, z_rows in ctx.rebuild.chunks(saved):
+            start = 0
+            for rows in out_rows:
+                n = rows.stop - rows.start
+                acc.add_(torch.mul(d[rows], z_rows[start:start + n]).sum(0, dtype=acc.dtype))
+                start += n
+    if ctx.group is not None:
+        comm.all_reduce_(acc, ctx.group)
+    return acc.div_(ctx.norm).to(ctx.g.dtype)
 
 
 def scale_by_magnitude(z: torch.Tensor, magnitude: torch.Tensor, norm: torch.Tensor, rebuild=None,
