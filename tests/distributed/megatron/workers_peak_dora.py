@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from workers_peak import R, REPEATS, _base, _data
+from workers_peak import REPEATS, R, _base, _data
 
 from regather.core.allocated import AllocatedBytes
 

@@ -2,6 +2,8 @@
 expression (fp64 bit-close, fp32 within the fp64 rule), the norm without the merged weight, when a gradient
 may be scaled in place, and the bytes: the rebuild keeps no full-width tensor, scales ``z`` in place."""
 
+import typing
+
 import pytest
 import torch
 from tests.harness.numerics import check_rounding
@@ -16,7 +18,7 @@ from regather.core.peak.magnitude import (
 )
 from regather.core.peak.rebuild import LOCAL, OutputRebuild
 
-S, B, H, O, R, SCALE = 32, 2, 16, 24, 4, 2.0
+S, B, H, OUT, R, SCALE = 32, 2, 16, 24, 4, 2.0
 
 
 @pytest.fixture
@@ -27,11 +29,11 @@ def small_chunks(monkeypatch):
 def _operands(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(S, B, H, generator=g, dtype=torch.float64)
-    w0 = torch.randn(O, H, generator=g, dtype=torch.float64) * 0.3
+    w0 = torch.randn(OUT, H, generator=g, dtype=torch.float64) * 0.3
     a = torch.randn(R, H, generator=g, dtype=torch.float64) * 0.3
-    b = torch.randn(O, R, generator=g, dtype=torch.float64) * 0.3
-    m = torch.rand(O, generator=g, dtype=torch.float64) + 0.5
-    dy = torch.randn(S, B, O, generator=g, dtype=torch.float64)
+    b = torch.randn(OUT, R, generator=g, dtype=torch.float64) * 0.3
+    m = torch.rand(OUT, generator=g, dtype=torch.float64) + 0.5
+    dy = torch.randn(S, B, OUT, generator=g, dtype=torch.float64)
     return tuple(t.to(dtype) for t in (x, w0, a, b, m, dy))
 
 
@@ -68,7 +70,7 @@ def test_lean_norm_is_the_direct_norm():
 
 
 class _Probe(torch.autograd.Function):
-    seen: list = []
+    seen: typing.ClassVar[list] = []
 
     @staticmethod
     def forward(ctx, x):
@@ -104,11 +106,11 @@ def test_the_rebuild_keeps_nothing_full_width_and_scales_in_place():
     with torch.no_grad():
         n = row_norm_lean(w0, a, b, SCALE)
     mid_s = (x @ a.t()) * SCALE
-    z = torch.addmm(torch.zeros(()), x.view(-1, H), w0.t()).view(S, B, O) + (mid_s @ b.t())
+    z = torch.addmm(torch.zeros(()), x.view(-1, H), w0.t()).view(S, B, OUT) + (mid_s @ b.t())
     with AllocatedBytes() as counted:
         y = scale_by_magnitude(z, m, n, OutputRebuild(LOCAL, w0, b, mid_s, x=x))
     assert y.data_ptr() == z.data_ptr()  # z scaled where it lies
-    assert counted.alive < O * 4 * 4  # magnitude-sized only (the scale); no [s, b, o] tensor
+    assert counted.alive < OUT * 4 * 4  # magnitude-sized only (the scale); no [s, b, o] tensor
     (y * dy).sum().backward()  # backward's bytes: tests/distributed/megatron/test_peak_dora.py
     assert m.grad is not None and x.grad is not None
 
