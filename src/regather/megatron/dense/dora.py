@@ -54,11 +54,6 @@ from regather.megatron.dense.wrapper import LoRALinear
 
 __all__ = ["NORMS", "PER_RANK_SLICE", "WHOLE_ROW", "DoRAAdapter", "DoRALinear", "bias_in_output"]
 
-#: Why a lean DoRA keeps ``z`` although ``recompute_output`` asked to rebuild it (one sentence per cause).
-REBUILD_TE_BIAS = ("the Transformer Engine base adds a bias into its output (bias and not skip_bias_add), which the "
-                   "rebuild does not model: z is kept")
-
-
 def bias_in_output(base: nn.Module) -> torch.Tensor | None:
     """The base's bias where the base adds it into its output (megatron's ``skip_bias_add=False``), else None
     (no bias, or returned apart for the caller to add)."""
@@ -169,9 +164,6 @@ class DoRAAdapter(ParallelLinearAdapter):
                 magnitude = mappings.copy_to_group(magnitude, sum_group)
             return scale_by_magnitude_ref(base_out + out, magnitude, self.weight_norm(base.weight, lean=False))
         rebuild_asked = self.recompute_output and magnitude.requires_grad and torch.is_grad_enabled()
-        if rebuild_asked and te.is_te_linear(base) and bias_in_output(base) is not None:
-            self.log_lean_fallback(REBUILD_TE_BIAS)
-            rebuild_asked = False
         if (rebuild_asked and self.column_parallel and self.sequence_parallel and not input_gathered
                 and plan.decision.used == Strategy.GATHER):
             # the gather path's x_full, made here: the rebuild reads the same tensor LoRA-A keeps
