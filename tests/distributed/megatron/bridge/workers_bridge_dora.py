@@ -96,7 +96,7 @@ def parity_worker(rank: int, world_size: int) -> dict:
                   "regather": regather_model(targets, tp, sp, sequence_parallel_input_strategy="regather",
                                              recompute_dora_output=True),
                   "rb": rb_model(targets, tp, sp)[0]}
-        for name, model in models.items():
+        for model in models.values():
             if model is not reference:
                 copy_all(reference, model)
         fp64 = regather_model(targets, tp, sp, dtype=torch.float64)
@@ -115,7 +115,7 @@ def parity_worker(rank: int, world_size: int) -> dict:
     models = {"bridge": reference, "classic": regather_model(ALL),
               "regather": regather_model(ALL, sequence_parallel_input_strategy="regather", recompute_dora_output=True),
               "fp64": regather_model(ALL, dtype=torch.float64)}
-    for name, model in models.items():
+    for model in models.values():
         if model is not reference:
             copy_all(reference, model)
     out["tp2sp-all"] = {name: result(m, batch) for name, m in models.items()}
