@@ -130,3 +130,47 @@ def test_te_model_bridge_loses_the_input_gradient_on_te_2_4(te):
 def test_te_model_at_tp1_gather_path_is_bridges_dora_bit_for_bit(te):
     for res in te:
         _same(res["tp1"]["classic"], res["tp1"]["bridge"], f"rank {res['rank']} TE model TP1")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from workers_bridge_dora import ckpt_worker
+
+    return run_ranks(ckpt_worker, 2, str(tmp_path_factory.mktemp("dora_ckpt")), timeout=360)
+
+
+def test_checkpoints_both_ways(ckpt):
+    """Bridge's DoRA state dict (``…adapter.weight_magnitude``: ``[o/t]`` on a column base, ``[o]`` on a row
+    base) loads strictly into every strategy and is written back unchanged; regather's loads into Bridge the
+    Bridge way; megatron dist checkpoints both ways (Bridge's own save filter and adapter loader), and a TP2
+    checkpoint into TP1 (the column magnitude put together from its halves)."""
+    h, wide, o_qkv = 64, 128, 3 * 64
+    for res in ckpt:
+        shapes = res["bridge_magnitude_shapes"]
+        assert len(shapes) == 8
+        for key, shape in shapes.items():
+            want = {"linear_qkv": o_qkv // 2, "linear_fc1": wide // 2, "linear_proj": h, "linear_fc2": h}
+            assert shape == (want[key.split(".")[-3]],), (key, shape)
+        for strategy in ("gather", "regather", "lowrank"):
+            r = res[f"sd bridge->{strategy}"]
+            assert r["before"] > 1e-3 and r["writes_bridge_state_dict"], r
+            d = res[f"dist bridge->{strategy}"]
+            if strategy == "gather":  # Bridge's expression: the same function bit for bit
+                assert r["after"] == 0.0 and d["full"] == 0.0 and d["bridge_loader"] == 0.0, (r, d)
+            else:  # the lean norm and token sums, lowrank's LoRA-A: the same function, fp32 rounding apart
+                assert r["after"] < 1e-5 and d["full"] < 1e-5 and d["bridge_loader"] < 1e-5, (r, d)
+        assert res["sd bridge->whole-row"] == {"missing": [], "unexpected": []}
+        assert res["sd base->unwrapped"] == {"missing": [], "unexpected": []}
+        r = res["sd regather->bridge"]
+        assert r["unexpected"] == [] and not any(".adapter." in k for k in r["missing"]), r
+        assert len(r["magnitudes"]) == 8 and r["diff"] == 0.0, r
+        assert res["dist regather->bridge"] == 0.0
+    # Bridge's own dist checkpoint of its own model: the row magnitude is declared replicated, so one rank's
+    # copy is saved, but Bridge's ranks hold different values (each its slice norm): rank 1 loads rank 0's,
+    # and the model comes back another function
+    saved0, saved1 = (r["bridge row magnitudes"]["saved"] for r in ckpt)
+    loaded1 = ckpt[1]["bridge row magnitudes"]["loaded"]
+    for name in saved0:
+        assert not torch.equal(saved0[name], saved1[name]) and torch.equal(loaded1[name], saved0[name]), name
+    assert all(r["dist bridge->bridge"] > 1e-3 for r in ckpt), [r["dist bridge->bridge"] for r in ckpt]
+    assert all(r["dist tp2->tp1 loss diff"] < 1e-5 for r in ckpt)
