@@ -127,26 +127,26 @@ class MagnitudeScale(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, magnitude, norm, rebuild, sum_group, *rebuild_tensors):
         g = magnitude.detach() / norm
-        ctx.g, ctx.norm, ctx.rebuild, ctx.group = g, norm, rebuild, sum_group
+        ctx.rebuild, ctx.group = rebuild, sum_group
         ctx.n_rebuild = len(rebuild_tensors)
-        if rebuild is None:
-            ctx.save_for_backward(z)
+        if rebuild is None:  # what backward reads, saved as Bridge's expression saves it: z, the scale, the norm
+            ctx.save_for_backward(z, g, norm)
             return z * g
-        ctx.save_for_backward(*rebuild_tensors)
+        ctx.save_for_backward(*rebuild_tensors, g, norm)
         in_place_target(z).mul_(g)
         return returned_in_place(ctx, z)
 
     @staticmethod
     def backward(ctx, dy):
-        grad_m = _magnitude_grad(ctx, dy) if ctx.needs_input_grad[1] else None  # its views of dy gone after it
-        grad_z = scale_grad(dy, ctx.g) if ctx.needs_input_grad[0] else None
-        return (grad_z, grad_m, None, None, None) + (None,) * ctx.n_rebuild
+        *saved, g, norm = ctx.saved_tensors
+        grad_m = _magnitude_grad(ctx, saved, norm, dy) if ctx.needs_input_grad[1] else None  # its views of dy: gone
+        grad_z = scale_grad(dy, g) if ctx.needs_input_grad[0] else None
+        return (grad_z, grad_m.to(g.dtype) if grad_m is not None else None, None, None, None) + (None,) * ctx.n_rebuild
 
 
-def _magnitude_grad(ctx, dy: torch.Tensor) -> torch.Tensor:
+def _magnitude_grad(ctx, saved, norm: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """``dm = Σ_tokens dy ⊙ z / n``, one row chunk of ``dy ⊙ z`` at a time (fp32 sums), all-reduced over
     ``ctx.group`` when the tokens are split over it."""
-    saved = ctx.saved_tensors
     d = flat_rows(dy)
     acc = torch.zeros(d.shape[-1], dtype=_acc_dtype(dy.dtype), device=dy.device)
     if ctx.rebuild is None:
@@ -162,7 +162,7 @@ def _magnitude_grad(ctx, dy: torch.Tensor) -> torch.Tensor:
                 start += n
     if ctx.group is not None:
         comm.all_reduce_(acc, ctx.group)
-    return acc.div_(ctx.norm).to(ctx.g.dtype)
+    return acc.div_(norm)
 
 
 def scale_by_magnitude(z: torch.Tensor, magnitude: torch.Tensor, norm: torch.Tensor, rebuild=None,

@@ -33,7 +33,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from regather.core import comm, mappings
+from regather.core import accounting, comm, mappings
 from regather.core.peak.magnitude import (
     NORMS,
     PER_RANK_SLICE,
@@ -52,7 +52,10 @@ from regather.megatron.dense.adapter import ParallelLinearAdapter
 from regather.megatron.dense.adapter.forward import LEAN_OUTPUT_NOT_DENSE
 from regather.megatron.dense.wrapper import LoRALinear
 
-__all__ = ["NORMS", "PER_RANK_SLICE", "WHOLE_ROW", "DoRAAdapter", "DoRALinear", "bias_in_output"]
+__all__ = ["DORA_OUTPUT", "NORMS", "PER_RANK_SLICE", "WHOLE_ROW", "DoRAAdapter", "DoRALinear", "bias_in_output"]
+
+#: The saved-bytes label of what DoRA's magnitude keeps (regather.core.accounting): ``dora_output:<base>``.
+DORA_OUTPUT = "dora_output"
 
 def bias_in_output(base: nn.Module) -> torch.Tensor | None:
     """The base's bias where the base adds it into its output (megatron's ``skip_bias_add=False``), else None
@@ -162,7 +165,8 @@ class DoRAAdapter(ParallelLinearAdapter):
             out = super().forward(x, dataclasses.replace(plan, lean=False, junction=None), input_gathered, x_full)
             if sum_group is not None:  # each rank scales its sequence shard: dm summed over TP (Bridge does not)
                 magnitude = mappings.copy_to_group(magnitude, sum_group)
-            return scale_by_magnitude_ref(base_out + out, magnitude, self.weight_norm(base.weight, lean=False))
+            with accounting.label(f"{DORA_OUTPUT}:{self.facts.base_name}"):  # Bridge's expression keeps z
+                return scale_by_magnitude_ref(base_out + out, magnitude, self.weight_norm(base.weight, lean=False))
         rebuild_asked = self.recompute_output and magnitude.requires_grad and torch.is_grad_enabled()
         if (rebuild_asked and self.column_parallel and self.sequence_parallel and not input_gathered
                 and plan.decision.used == Strategy.GATHER):
@@ -176,7 +180,8 @@ class DoRAAdapter(ParallelLinearAdapter):
         norm = self.weight_norm(base.weight, lean=True)
         rebuild = self._rebuild(plan, base, mid_s, b) if rebuild_asked else None
         self._rebuild_input = None
-        return scale_by_magnitude(z, magnitude, norm, rebuild, sum_group)
+        with accounting.label(f"{DORA_OUTPUT}:{self.facts.base_name}"):  # z kept for dm (none with the rebuild)
+            return scale_by_magnitude(z, magnitude, norm, rebuild, sum_group)
 
     def _add_lora(self, base_out, mid_s, b, on_grad):
         from regather.core.peak.output import lora_into_output_

@@ -69,6 +69,10 @@ def register(subparsers) -> None:
     g.add_argument("--canonical", action="store_true",
                    help="regather.CanonicalLoRA (one adapter per q, k, v, gate, up) on a gated SwiGLU GPT; reports "
                         "the q/k/v and gate/up adapter inputs beside Megatron Bridge's CanonicalLoRA (5 x_full a layer)")
+    g.add_argument("--peft", choices=("lora", "dora"), default=d.peft,
+                   help="dora: regather.DoRA on the same GPT; its kept pre-magnitude output is reported apart")
+    g.add_argument("--recompute-dora-output", action="store_true",
+                   help="--peft dora: DoRA(recompute_dora_output=True), the pre-magnitude output rebuilt in backward")
     g.add_argument("--steps", type=positive, default=d.steps, help="steps per strategy (interleaved)")
     g.add_argument("--warmup", type=non_negative, default=d.warmup, help="first steps left out of the time median")
     g.add_argument("--strategies", type=_strategies, default=None,
@@ -135,7 +139,8 @@ def spec_from_args(args) -> BenchSpec:
     spec = BenchSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, vocab=args.vocab,
                      kv_heads=args.kv_heads, tp=args.tp, seq=args.seq, micro_batch=args.micro_batch,
                      dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                     targets=tuple(targets), canonical=args.canonical,
+                     targets=tuple(targets), canonical=args.canonical, peft=args.peft,
+                     recompute_dora_output=args.recompute_dora_output,
                      steps=args.steps, warmup=args.warmup, strategies=tuple(args.strategies or ()),
                      timeout=args.timeout, quiet=args.quiet, input_requires_grad=args.input_requires_grad)
     problems = spec.problems()

@@ -120,6 +120,10 @@ def register(subparsers) -> None:
                       help=f"comma list (default: all of {','.join(ALL_TARGETS)}, or the recipe's)")
     lora.add_argument("--lora-rank", type=positive, default=None, action=Given,
                       help="LoRA dim (default: 16 for a preset, 8 for the tiny GPT, or the recipe's)")
+    lora.add_argument("--peft", choices=("lora", "dora"), default="lora",
+                      help="dora: regather.DoRA (with --bridge-lora: Megatron Bridge's own DoRA)")
+    lora.add_argument("--recompute-dora-output", action="store_true",
+                      help="--peft dora: DoRA(recompute_dora_output=True), the pre-magnitude output rebuilt in backward")
     lora.add_argument("--recompute-adapter-inputs", action="store_true",
                       help="LoRA(recompute_adapter_inputs=True): which adapter inputs are rebuilt in backward, from what")
     lora.add_argument("--input-requires-grad", action="store_true",
@@ -194,7 +198,8 @@ def setup_from_args(args) -> Setup:
         add_bias_linear=base.add_bias_linear if args.add_bias_linear is None else args.add_bias_linear, spec=spec,
         attention_keeps_output=attention(argparse.Namespace(attention=args.attention, spec=spec)) == "fused",
         model_name=base.model_name + (" (custom)" if sizes and not tiny else ""),
-        bridge_lora=getattr(args, "bridge_lora", False), te_version=getattr(args, "te_version", None) or _installed_te())
+        bridge_lora=getattr(args, "bridge_lora", False), te_version=getattr(args, "te_version", None) or _installed_te(),
+        peft=getattr(args, "peft", "lora"), recompute_dora_output=getattr(args, "recompute_dora_output", False))
     _check(setup)
     return setup
 

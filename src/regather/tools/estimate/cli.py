@@ -12,6 +12,7 @@ from dataclasses import replace
 from regather.megatron.reasons import ALL_TARGETS, REPLAYED_DISPATCHERS
 from regather.tools.cmdline import HelpFormatter, names, non_negative, positive, wrapped
 from regather.tools.estimate.config import ALL_STRATEGIES, ATTENTION, EXPERT_LORA, LAYOUTS, PRESETS, SPECS, Model, Run
+from regather.tools.estimate.dora import DORA_OUTPUTS, PEFTS
 from regather.tools.estimate.options import (
     Given,
     apply_layout,
@@ -117,6 +118,11 @@ def register(subparsers) -> None:
                    help="--front-end torchtitan, bf16/fp16: the norms keep an fp32 copy of their input (torch's "
                         "composite rms_norm, as on CPU), so wqkv/w1/w3 keep their shard under -recompute (default: "
                         "the norm keeps its input, as CUDA's fused rms_norm)")
+    p.add_argument("--peft", choices=PEFTS, default="lora",
+                   help="dora: regather.DoRA (Megatron Bridge's other PEFT scheme): also what its magnitude keeps")
+    p.add_argument("--dora-output", choices=DORA_OUTPUTS, default="keep",
+                   help="--peft dora: keep the pre-magnitude output for the magnitude's gradient (as Bridge), or "
+                        "rebuild it in backward (DoRA(recompute_dora_output=True): one more base GEMM per adapter)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=main)
 
@@ -142,7 +148,8 @@ def run_from_args(args) -> Run:
                pp=args.pp, dtype=args.dtype, grad_dtype=args.grad_dtype, lora_rank=rank, targets=targets,
                first_stage=args.first_stage, input_requires_grad=args.input_requires_grad, ep=args.ep, etp=args.etp,
                share_expert_adapters=args.expert_lora == "shared", redispatch_expert_inputs=args.redispatch,
-               attention_keeps_output=attention(args) == "fused", spec=getattr(args, "spec", "local"))
+               attention_keeps_output=attention(args) == "fused", spec=getattr(args, "spec", "local"),
+               peft=getattr(args, "peft", "lora"), dora_output=getattr(args, "dora_output", "keep"))
 
 
 def titan_from_args(args) -> tuple[Model, Run, tuple]:

@@ -37,6 +37,9 @@ class Model(ModelShape):
     these models) unless said otherwise, so that ``share_expert_adapters`` decides the sharing."""
 
     experts: str = "grouped"
+    # the dense MLP's fc1 holds gate and up (SwiGLU, the presets' Qwen3 / Llama 3): its output is 2 x ffn
+    # (what DoRA keeps depends on it, regather.tools.estimate.dora)
+    gated: bool = True
     name: str = field(default="model", kw_only=True)
 
 
@@ -135,6 +138,10 @@ class Run(RunShape):
     # what the base linears keep (regather.tools.estimate.spec): "local" (megatron's local spec, what
     # bench runs; the library default) or "te" (Transformer Engine, what Bridge's recipes run)
     spec: str = "local"
+    # the PEFT: "lora" or "dora" (regather.DoRA); DoRA's pre-magnitude output "keep" (as Bridge) or
+    # "rebuild" (recompute_dora_output=True) (regather.tools.estimate.dora)
+    peft: str = "lora"
+    dora_output: str = "keep"
 
     @property
     def e(self) -> int:

@@ -18,6 +18,7 @@ from dataclasses import replace
 from regather.megatron.reasons import ALL_TARGETS, EXPERT_TARGETS
 from regather.tools.estimate.config import ALL_STRATEGIES, Model, Run, check_run, split_strategy
 from regather.tools.estimate.dense import adapter_inputs, dense_comm_changes
+from regather.tools.estimate.dora import dora_output_bytes
 from regather.tools.estimate.experts import expert_comm_changes, expert_inputs
 
 
@@ -103,6 +104,9 @@ def estimate(model: Model, run: Run, strategies=ALL_STRATEGIES) -> dict:
             "extra_comm_total": sum(comm.values()),
             "added_comm_bytes": sum(n for _, n, _ in changes if n > 0),
         }
+        if run.peft == "dora":  # only where asked (--peft dora): the default document is unchanged
+            dora = dora_output_bytes(model, run)
+            row["dora_output_bytes"], row["dora_output_by_target"] = sum(dora.values()), dora
         shared = shared_summary(model, run, name)
         if shared:  # only where asked (--attention fused): the default document is unchanged
             row["shared_by_target"] = shared
