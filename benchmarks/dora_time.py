@@ -115,6 +115,7 @@ def _rank(rank, t, args):
     from regather.tools.cpu.models import init_model_parallel
 
     init_model_parallel(t)
+    torch.set_num_threads(args.threads)
     group = dist.group.WORLD
     names = list(VARIANTS) + (["bridge"] if args.bridge else [])
     out = {}
@@ -124,16 +125,17 @@ def _rank(rank, t, args):
         if args.bytes:
             frozen = _bytes(_wrapped("frozen", kind, args, group), x, dy)
             out[f"{kind}:bytes"] = {n: _bytes(m, x, dy) for n, m in modules.items()} | {"frozen": frozen}
-        times = {n: [] for n in names}
+        times, cpu = {n: [] for n in names}, {n: [] for n in names}
         for step in range(args.warmup + args.steps):
             k = step % len(names)
             for n in names[k:] + names[:k]:
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 _step(modules[n], x, dy)
                 if step >= args.warmup:
                     times[n].append(time.perf_counter() - t0)
-        out[f"{kind}:times"] = times
+                    cpu[n].append(time.process_time() - c0)
+        out[f"{kind}:times"], out[f"{kind}:cpu"] = times, cpu
     return out
 
 
@@ -146,6 +148,7 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads a rank (1: CPU time is the work done)")
     p.add_argument("--bridge", action="store_true", help="Megatron Bridge 0.6.2's own DoRA too")
     p.add_argument("--bytes", action="store_true", help="the allocator's kept and peak bytes over the frozen linear")
     p.add_argument("--chunks", type=int, default=8,
@@ -167,13 +170,18 @@ def main(argv=None):
     for kind in args.kind:
         times = {n: [max(r[f"{kind}:times"][n][i] for r in ranks) for i in range(args.steps)]
                  for n in ranks[0][f"{kind}:times"]}
-        ref = times["classic"]
-        rows = {n: {"median_s": statistics.median(v),
-                    "x_classic": statistics.median(a / b for a, b in zip(v, ref))} for n, v in times.items()}
+        cpu = {n: [sum(r[f"{kind}:cpu"][n][i] for r in ranks) for i in range(args.steps)]
+               for n in ranks[0][f"{kind}:cpu"]}
+        ref, cref = times["classic"], cpu["classic"]
+        rows = {n: {"median_s": statistics.median(v), "x_classic": statistics.median(a / b for a, b in zip(v, ref)),
+                    "cpu_median_s": statistics.median(cpu[n]),
+                    "cpu_x_classic": statistics.median(a / b for a, b in zip(cpu[n], cref))} for n, v in times.items()}
         print(f"{kind} (h={args.hidden}, {'o' if kind == 'column' else 'h_in'}={8 * args.hidden}, s={args.seq}, "
-              f"TP2 + SP, fp32): median step, paired ratio vs Bridge's expression (classic)")
+              f"TP2 + SP, fp32, {args.threads} thread(s) a rank): median step (slowest rank's wall time; CPU time "
+              "of both ranks), paired ratios vs Bridge's expression (classic)")
         for n, row in rows.items():
-            print(f"  {n:16s} {row['median_s'] * 1e3:8.1f} ms  x{row['x_classic']:.3f}")
+            print(f"  {n:16s} wall {row['median_s'] * 1e3:8.1f} ms  x{row['x_classic']:.3f}   "
+                  f"CPU {row['cpu_median_s'] * 1e3:8.1f} ms  x{row['cpu_x_classic']:.3f}")
         if args.bytes:
             w = args.seq * args.micro_batch * 8 * args.hidden // t * e
             by = ranks[0][f"{kind}:bytes"]
