@@ -3,8 +3,9 @@
 - Where Bridge is right — column-parallel bases (``linear_qkv``, ``linear_fc1``) at TP2 with SP on and off,
   every base at TP1 — regather's gather path (``regather.DoRA`` and ``regather.bridge.DoRA`` through Bridge's
   PEFT protocol) is Bridge's bit for bit: logits, per-token loss, decoder-input gradient, every LoRA and
-  magnitude gradient. regather + ``recompute_dora_output`` (another norm and token-sum order) is within the
-  fp64 rule of a float64 ``regather.DoRA`` with the same weights.
+  magnitude gradient. regather + ``recompute_adapter_inputs`` + ``recompute_dora_output`` (another norm and token-sum order; ``z``
+  rebuilt from the inputs the norms and the MLP activation keep) is within the fp64 rule of a float64
+  ``regather.DoRA`` with the same weights.
 - Row-parallel bases at TP2 + SP: Bridge takes each rank's *slice* norm ``||W0_i + s·B A_i||`` (no sum over
   TP: the function depends on the TP size) and leaves the row magnitude's gradient as this rank's sequence
   shard's part (no TP sum: megatron sums only parameters tagged ``sequence_parallel``, so Bridge's TP
@@ -101,7 +102,10 @@ def test_row_bases_at_tp2_whole_row_against_float64(parity):
               + ", ".join(f"{k} {v:.3g}" for k, v in dm.items()))
         assert len(rows) == 4 and dm["bridge"] > 0.1, dm  # its shard's part of the sum, under another norm
         _fp64(r["classic"], r["classic"], r["fp64"], f"rank {res['rank']} classic")
-        _fp64(r["regather"], r["classic"], r["fp64"], f"rank {res['rank']} regather + rebuild")
+        _fp64(r["regather"], r["classic"], r["fp64"], f"rank {res['rank']} regather + recompute + rebuild")
+        # fc2 rebuilds z from fc1's output, which the activation keeps (layer 0 included: fc1 trains)
+        fc2 = {p: d for p, d in r["decisions"].items() if p.endswith("linear_fc2")}
+        assert len(fc2) == 2 and all("input recomputed from" in d for d in fc2.values()), r["decisions"]
 
 
 def test_te_model_bridge_loses_the_input_gradient_on_te_2_4(te):

@@ -95,7 +95,7 @@ def parity_worker(rank: int, world_size: int) -> dict:
         reference = bridge_model(targets, tp, sp)
         models = {"bridge": reference, "classic": regather_model(targets, tp, sp),
                   "regather": regather_model(targets, tp, sp, sequence_parallel_input_strategy="regather",
-                                             recompute_dora_output=True),
+                                             recompute_adapter_inputs=True, recompute_dora_output=True),
                   "rb": rb_model(targets, tp, sp)[0]}
         for model in models.values():
             if model is not reference:
@@ -114,12 +114,14 @@ def parity_worker(rank: int, world_size: int) -> dict:
     out["tp2sp-all-slice"] = {"bridge": result(reference, batch), "slice": result(sliced, batch)}
     _whole_row_magnitudes(reference)
     models = {"bridge": reference, "classic": regather_model(ALL),
-              "regather": regather_model(ALL, sequence_parallel_input_strategy="regather", recompute_dora_output=True),
+              "regather": regather_model(ALL, sequence_parallel_input_strategy="regather", recompute_adapter_inputs=True,
+                                         recompute_dora_output=True),
               "fp64": regather_model(ALL, dtype=torch.float64)}
     for model in models.values():
         if model is not reference:
             copy_all(reference, model)
     out["tp2sp-all"] = {name: result(m, batch) for name, m in models.items()}
+    out["tp2sp-all"]["decisions"] = W.decisions(models["regather"])
     return out
 
 
