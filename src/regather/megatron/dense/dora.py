@@ -43,7 +43,9 @@ from regather.core.peak.magnitude import (
     scale_by_magnitude,
     scale_by_magnitude_ref,
 )
+from regather.core.peak.output import lora_into_output_
 from regather.core.peak.rebuild import GATHER, LOCAL, ROW, ROW_SP, SLOT, OutputRebuild
+from regather.core.peak.row import row_lora_into_output_
 from regather.core.strategies import Strategy
 from regather.core.strategies.paths import LOWRANK, PREGATHERED, REGATHER, REPLICATED
 from regather.core.strategies.regather import new_slot
@@ -184,9 +186,6 @@ class DoRAAdapter(ParallelLinearAdapter):
             return scale_by_magnitude(z, magnitude, norm, rebuild, sum_group)
 
     def _add_lora(self, base_out, mid_s, b, on_grad):
-        from regather.core.peak.output import lora_into_output_
-        from regather.core.peak.row import row_lora_into_output_
-
         fuse = self.gradient_accumulation_fusion
         if self.column_parallel:
             return lora_into_output_(base_out, mid_s, b, fuse, on_grad=on_grad)
