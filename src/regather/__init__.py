@@ -2,6 +2,7 @@
 
 - :class:`LoRA` — the PEFT config for megatron-core; ``LoRA(sequence_parallel_input_regather=True)(model)``
 - :class:`CanonicalLoRA` — the same with one adapter per q/k/v and gate/up (Hugging Face's layout)
+- :class:`DoRA` — weight-decomposed LoRA (Megatron Bridge's other PEFT scheme) on the same adapters
 - :class:`ParallelLinearAdapter` — one adapter beside a megatron parallel linear
 - :func:`adapters`, :func:`decisions`, :func:`set_strategy` — a model's adapters, which strategy
   each runs and why, a strategy switch (whichever front end built them)
@@ -28,6 +29,7 @@ __version__ = "0.2.0"
 _PUBLIC = {
     "LoRA": "regather.megatron.lora",
     "CanonicalLoRA": "regather.megatron.canonical",
+    "DoRA": "regather.megatron.dora",
     "LoRALinear": "regather.megatron.dense.wrapper",
     "ParallelLinearAdapter": "regather.megatron.dense.adapter",
     "Decision": "regather.core.decision",

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 NAMES = {
-    "regather": ["LoRA", "CanonicalLoRA", "LoRALinear", "ParallelLinearAdapter", "Decision", "Strategy", "adapters",
+    "regather": ["LoRA", "CanonicalLoRA", "DoRA", "LoRALinear", "ParallelLinearAdapter", "Decision", "Strategy", "adapters",
                  "decisions", "set_strategy", "merge", "unmerge", "merged", "delta_weight"],
     # the former regather.peft_export's names, at their home
     "regather.hf": ["export_peft", "load_peft", "read_peft", "peft_config", "hf_state_dict", "UnsupportedAdapter",

@@ -79,8 +79,9 @@ IGNORED = ("peft_type", "task_type", "base_model_name_or_path", "revision", "inf
 PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
 
 _REFUSED_WHY = {
-    "use_dora": "DoRA (use_dora=True) rescales each output column of the base weight with a learned "
-                "magnitude vector; regather's adapters compute a plain LoRA delta B(A(x))",
+    "use_dora": "DoRA (use_dora=True) rescales each output row of the merged weight with a learned "
+                "magnitude vector; this model's adapters compute a plain LoRA delta B(A(x)): build it with "
+                "regather.DoRA to load a DoRA adapter",
     "lora_bias": "lora_bias=True gives LoRA-B a trained bias; regather's adapters have none",
     "fan_in_fan_out": "fan_in_fan_out=True stores weights transposed for GPT-2-style Conv1D layers; the "
                       "megatron linears are nn.Linear-layout (out, in)",
@@ -107,8 +108,15 @@ def _empty(value) -> bool:
     return value is None or value is False or value == {} or value == [] or value == "" or value == "none"
 
 
-def check_features(config: Mapping, where: str) -> None:
-    """Refuse every PEFT feature that changes what the adapter computes beyond LoRA."""
+def check_features(config: Mapping, where: str, dora: bool = False) -> None:
+    """Refuse every PEFT feature that changes what the adapter computes beyond LoRA (``dora``: the model's
+    adapters are DoRA's, so ``use_dora=True`` is what the file must say)."""
+    if dora != bool(config.get("use_dora")):
+        if dora:
+            raise UnsupportedAdapter(f"{where}: use_dora={config.get('use_dora')!r}: a plain LoRA adapter; the model's "
+                                     "adapters are DoRA's (regather.DoRA): build the model with regather.LoRA")
+    elif dora:
+        config = {k: v for k, v in config.items() if k != "use_dora"}
     if config.get("peft_type", "LORA") != "LORA":
         raise UnsupportedAdapter(f"{where}: peft_type {config.get('peft_type')!r} is not LORA")
     bias = config.get("bias", "none")
@@ -255,8 +263,9 @@ def _patterns(modules: list[ExportedModule], value: Mapping[str, float], default
 
 
 def lora_config(modules: list[ExportedModule], num_layers: int, base_model_name_or_path: str | None = None,
-                dropout: float = 0.0) -> dict:
-    """``adapter_config.json`` that makes PEFT build exactly ``modules`` with their scales."""
+                dropout: float = 0.0, dora: bool = False) -> dict:
+    """``adapter_config.json`` that makes PEFT build exactly ``modules`` with their scales (``dora``:
+    ``use_dora=True``, each module with its ``lora_magnitude_vector``)."""
     if not modules:
         raise ValueError("no LoRA modules to export")
     by_module: dict[str, set[int]] = {}
@@ -294,6 +303,7 @@ def lora_config(modules: list[ExportedModule], num_layers: int, base_model_name_
         "target_modules": target_modules,
         "layers_to_transform": layers_to_transform,
         "layers_pattern": layers_pattern,
+        "use_dora": bool(dora),
     })
 
 

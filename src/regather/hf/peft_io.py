@@ -24,7 +24,10 @@ refusal raises :class:`~regather.hf.peft_config.UnsupportedAdapter`, a ``ValueEr
   ``alpha_pattern``. The file's ``lora_alpha`` must be the model's ``LoRA(alpha=...)`` (or
   give the same scale); ``use_rslora`` and ``alpha_pattern`` then set each adapter's
   ``scale`` (one per megatron adapter: the modules of a fused linear must agree).
-* Refused: ``use_dora``, ``lora_bias``, ``bias != "none"``, ``fan_in_fan_out``,
+* DoRA (``regather.DoRA``, PEFT's ``use_dora=True``): each module's ``lora_magnitude_vector`` is the
+  magnitude's rows (cut as LoRA-B's); the file's ``use_dora`` must match the model's adapters. A model with
+  Bridge's per-slice norm at TP > 1 is not exported (PEFT's norm is the whole row's).
+* Refused: ``use_dora`` into a LoRA model (and a plain LoRA into a DoRA model), ``lora_bias``, ``bias != "none"``, ``fan_in_fan_out``,
   ``modules_to_save``, trainable tokens, PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA/MiCA inits, and any
   other set field regather does not know (:func:`~regather.hf.peft_config.check_features`).
 
@@ -133,6 +136,33 @@ def _a_dim(adapter) -> int:
     return 0 if adapter.column_parallel else 1
 
 
+def _is_dora(adapter) -> bool:
+    """A DoRA adapter (:class:`regather.DoRA`): its ``weight_magnitude`` is PEFT's ``lora_magnitude_vector``."""
+    return getattr(adapter, "weight_magnitude", None) is not None
+
+
+def _dora_model(found: list[Slot], where: str) -> bool:
+    kinds = {_is_dora(s.adapter) for s in found}
+    if len(kinds) > 1:
+        raise ValueError(f"{where}: the model mixes DoRA and LoRA adapters; one PEFT config holds one kind")
+    return kinds.pop()
+
+
+def _magnitude_parts(slot: Slot) -> tuple[torch.Tensor, ...]:
+    """A DoRA adapter's magnitude cut into its HF modules' ``lora_magnitude_vector`` (rows as LoRA-B's). PEFT's
+    norm is the whole row's: a model with Bridge's per-slice norm at TP > 1 computes another function."""
+    adapter = slot.adapter
+    group = adapter.tp_group
+    t = _size_rank(group)[0]
+    if adapter.norm_group is None and not adapter.column_parallel and t > 1:
+        raise ValueError(f"{slot.path!r}: DoRA(dora_norm={adapter.norm!r}) at TP={t} takes each rank's slice norm; "
+                         "PEFT's DoRA takes the whole row's, so the exported adapter would compute another function")
+    m = adapter.weight_magnitude.detach()
+    shards = (list(comm.all_gather_dim(m, group, dim=0).chunk(t, dim=0)) if adapter.column_parallel else [m])
+    parts = layout.split_rows(slot.target, [p.unsqueeze(1) for p in shards], layout.attention_layout(adapter.config))
+    return tuple(p.squeeze(1) for p in parts)
+
+
 # -- export ------------------------------------------------------------------------------
 
 
@@ -147,10 +177,13 @@ def _exported(model, names, dtype):
         a_full = comm.all_gather_dim(a, group, dim=_a_dim(adapter))
         b_shards = list(comm.all_gather_dim(b, group, dim=0).chunk(t, dim=0))
         bs = layout.split_rows(slot.target, b_shards, layout.attention_layout(adapter.config))
-        for name, module, b_part in zip(slot.names, slot.target.modules, bs):
+        ms = _magnitude_parts(slot) if _is_dora(adapter) else (None,) * len(bs)
+        for name, module, b_part, m_part in zip(slot.names, slot.target.modules, bs, ms):
             key = f"{PEFT_PREFIX}{name}"
             tensors[f"{key}.lora_A.weight"] = a_full.clone().to(dtype or a_full.dtype).contiguous()
             tensors[f"{key}.lora_B.weight"] = b_part.clone().to(dtype or b_part.dtype).contiguous()
+            if m_part is not None:
+                tensors[f"{key}.lora_magnitude_vector"] = m_part.clone().to(dtype or m_part.dtype).contiguous()
             modules.append(ExportedModule(name, slot.layer, module, adapter.dim, adapter.alpha, adapter.scale))
     return tensors, modules
 
@@ -188,12 +221,14 @@ def peft_config(model, tensors: Mapping[str, torch.Tensor] | None = None,
     if _torchtitan(model, names):
         return torchtitan_peft.peft_config(model, base_model_name_or_path)
     modules = []
-    for slot in slots(model, names):
+    found = slots(model, names)
+    for slot in found:
         a = slot.adapter
         modules += [ExportedModule(n, slot.layer, m, a.dim, a.alpha, a.scale)
                     for n, m in zip(slot.names, slot.target.modules)]
-    num_layers = _model_facts(slots(model, names))[0]
-    return lora_config(modules, num_layers, base_model_name_or_path, _dropout(model))
+    num_layers = _model_facts(found)[0]
+    return lora_config(modules, num_layers, base_model_name_or_path, _dropout(model),
+                       dora=_dora_model(found, type(model).__name__))
 
 
 def export_peft(model: torch.nn.Module, directory: str, *, base_model_name_or_path: str | None = None,
@@ -249,9 +284,12 @@ def _outside_message(names: list[str]) -> str:
             "linear_fc2 = down_proj)")
 
 
-def _check_targets(config: Mapping, tensors: Mapping, found: list[Slot], names, where: str) -> set[str]:
+def _check_targets(config: Mapping, tensors: Mapping, found: list[Slot], names, where: str,
+                   dora: bool = False) -> set[str]:
     """The HF modules with LoRA: what the config targets (PEFT's matching) must be what the
-    weights hold, on the four megatron linears, as LoRA-A/B weights only. Returns them."""
+    weights hold, on the four megatron linears, as LoRA-A/B weights only (and DoRA's magnitude vectors,
+    ``dora``). Returns them."""
+    suffixes = ("lora_A.weight", "lora_B.weight") + (("lora_magnitude_vector",) if dora else ())
     num_layers, gated = _model_facts(found)
     projections = layout.projection_names(num_layers, gated, names)
     every = layout.hf_module_names(num_layers, gated, names)
@@ -267,7 +305,7 @@ def _check_targets(config: Mapping, tensors: Mapping, found: list[Slot], names, 
         module = _module_of(key)
         if module not in projections:
             outside.append(module)
-        elif key == f"{PEFT_PREFIX}{module}.lora_A.weight" or key == f"{PEFT_PREFIX}{module}.lora_B.weight":
+        elif key in {f"{PEFT_PREFIX}{module}.{suffix}" for suffix in suffixes}:
             have.add(module)
         else:
             other.append(key)
@@ -278,9 +316,9 @@ def _check_targets(config: Mapping, tensors: Mapping, found: list[Slot], names, 
         raise UnsupportedAdapter(f"{where}: tensors {sorted(other)[:6]} are not LoRA-A/B weights "
                                  "(<module>.lora_A.weight / lora_B.weight); regather loads LoRA weights only")
     for module in sorted(have):
-        for x in "AB":
-            if f"{PEFT_PREFIX}{module}.lora_{x}.weight" not in tensors:
-                raise UnsupportedAdapter(f"{where}: {module} has no lora_{x}.weight")
+        for suffix in suffixes:
+            if f"{PEFT_PREFIX}{module}.{suffix}" not in tensors:
+                raise UnsupportedAdapter(f"{where}: {module} has no {suffix}")
     if want != have:
         missing, extra = sorted(want - have), sorted(have - want)
         raise UnsupportedAdapter(
@@ -352,7 +390,30 @@ def _stage(slot: Slot, tensors, config, present: list[int], where: str):
         if tuple(new.shape) != tuple(cur.shape):
             raise UnsupportedAdapter(f"{where}: {slot.path!r}: {what} shard from the file is {tuple(new.shape)}, "
                                      f"the adapter holds {tuple(cur.shape)} (TP={t})")
-    return a_shard.to(cur_a.dtype).contiguous(), b_shard.to(cur_b.dtype).contiguous(), per[0].scale
+    m_shard = _magnitude_shard(slot, tensors, present, rows, rank, t, attention, where) if _is_dora(adapter) else None
+    return a_shard.to(cur_a.dtype).contiguous(), b_shard.to(cur_b.dtype).contiguous(), per[0].scale, m_shard
+
+
+def _magnitude_shard(slot: Slot, tensors, present: list[int], rows, rank: int, t: int, attention, where: str):
+    """This rank's ``weight_magnitude`` from the modules' ``lora_magnitude_vector``: every module of the fused
+    linear must have one (a DoRA magnitude has no neutral value to stand for a missing projection)."""
+    adapter, names = slot.adapter, slot.names
+    if len(present) != len(names):
+        missing = [names[i] for i in range(len(names)) if i not in present]
+        raise UnsupportedAdapter(f"{where}: {slot.path!r} is one DoRA adapter with one magnitude over "
+                                 f"{', '.join(slot.target.modules)}; the file has none for {missing[:3]}")
+    parts = []
+    for i, n in enumerate(rows):
+        m = tensors[f"{PEFT_PREFIX}{names[i]}.lora_magnitude_vector"]
+        if tuple(m.shape) != (n,):
+            raise UnsupportedAdapter(f"{where}: {names[i]}.lora_magnitude_vector is {tuple(m.shape)}; the adapter on "
+                                     f"{slot.path!r} needs ({n},)")
+        parts.append(m.unsqueeze(1))
+    if adapter.column_parallel:
+        shard = layout.rank_rows(slot.target, parts, rank, t, attention).squeeze(1)
+    else:
+        shard = parts[0].squeeze(1)
+    return shard.to(adapter.weight_magnitude.dtype).contiguous()
 
 
 def load_peft(model: torch.nn.Module, directory: str, names: Mapping | None = None) -> list[str]:
@@ -363,9 +424,10 @@ def load_peft(model: torch.nn.Module, directory: str, names: Mapping | None = No
     _check_no_pipeline()
     tensors, config = read_peft(directory)
     where = directory
-    check_features(config, where)
     found = slots(model, names)
-    file_modules = _check_targets(config, tensors, found, names, where)
+    dora = _dora_model(found, where)
+    check_features(config, where, dora)
+    file_modules = _check_targets(config, tensors, found, names, where, dora)
     claimed: set[str] = set()
     staged = {}
     for slot in found:  # validate everything before loading anything
@@ -380,8 +442,11 @@ def load_peft(model: torch.nn.Module, directory: str, names: Mapping | None = No
     if unclaimed:
         raise UnsupportedAdapter(f"{where}: the model has no adapter for {unclaimed[:6]}"
                                  f"{'...' if len(unclaimed) > 6 else ''}: build its LoRA with these targets too")
-    for adapter, a_shard, b_shard, scale in staged.values():
-        adapter.load_state_dict({"linear_in.weight": a_shard, "linear_out.weight": b_shard}, strict=True)
+    for adapter, a_shard, b_shard, scale, m_shard in staged.values():
+        state = {"linear_in.weight": a_shard, "linear_out.weight": b_shard}
+        if m_shard is not None:
+            state["weight_magnitude"] = m_shard
+        adapter.load_state_dict(state, strict=True)
         adapter.scale = scale
     return sorted(staged)
 

@@ -1,4 +1,4 @@
-"""``regather.bridge.LoRA``: regather's adapters behind Megatron Bridge's PEFT protocol.
+"""``regather.bridge.LoRA`` / ``regather.bridge.DoRA``: regather's adapters behind Megatron Bridge's PEFT protocol.
 
 A drop-in for ``megatron.bridge.peft.lora.LoRA`` in a Bridge recipe::
 
@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 try:
+    from megatron.bridge.peft.dora import DoRA as BridgeDoRA
     from megatron.bridge.peft.lora import LoRA as BridgeLoRA
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess without Bridge
     missing = getattr(exc, "name", None) or ""
@@ -70,7 +71,8 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess witho
 
 from torch import nn
 
-from regather.megatron import lora
+from regather.core.peak.magnitude import WHOLE_ROW
+from regather.megatron import dora, lora
 from regather.megatron.dense.adapter import INIT_METHODS, ParallelLinearAdapter
 from regather.megatron.dense.linears import is_parallel_linear
 from regather.megatron.dense.model import finish_wrapping
@@ -78,7 +80,7 @@ from regather.megatron.dense.wrapper import LoRALinear
 from regather.megatron.lora import attach_producers
 from regather.megatron.moe import experts
 
-__all__ = ["PLAIN_LINEAR_ONLY_INITS", "BridgeLoRA", "LoRA"]
+__all__ = ["PLAIN_LINEAR_ONLY_INITS", "BridgeDoRA", "BridgeLoRA", "DoRA", "LoRA"]
 
 _WRAPPER_CHILDREN = ("to_wrap", "adapter")
 #: LoRA-A initialisers Bridge's plain ``nn.Linear`` adapters (``LinearAdapter``: Kaiming-uniform) take
@@ -231,7 +233,86 @@ class LoRA(BridgeLoRA):
         return not (self.experts_shared_outer_loras and experts.is_grouped_linear(module))
 
 
+@dataclass
+class DoRA(BridgeDoRA):
+    """Megatron Bridge's ``DoRA`` whose adapters are regather's (:class:`regather.DoRA`): a drop-in for
+    ``megatron.bridge.peft.dora.DoRA`` (``cfg.peft = DoRA(dim=16, alpha=32, ...)``; a recipe's
+    ``peft_scheme=DoRA(...)``). Bridge's fields and defaults, and regather's: the LoRA strategy
+    (``sequence_parallel_input_regather`` / ``sequence_parallel_input_strategy``, ``early_regather``,
+    ``lowrank_grad_allreduce``), ``recompute_adapter_inputs``, ``lean_transients``, ``dora_norm``
+    (``"whole_row"``; ``"per_rank_slice"`` is Bridge 0.6.2's TP-dependent norm of a row-parallel base, for
+    checkpoints trained with it) and ``recompute_dora_output`` (see :class:`regather.DoRA`). Parameter and
+    checkpoint names are Bridge's (``…adapter.weight_magnitude``). A module regather does not adapt goes to
+    Bridge's own ``transform``."""
+
+    sequence_parallel_input_regather: bool = False
+    sequence_parallel_input_strategy: str | None = None
+    early_regather: bool = True
+    lowrank_grad_allreduce: str = "backward"
+    recompute_adapter_inputs: bool = False
+    lean_transients: bool | None = None
+    dora_norm: str = WHOLE_ROW
+    recompute_dora_output: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # Bridge's: dropout_position "pre"
+        for name in ("target_modules", "exclude_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise TypeError(f"regather.bridge.DoRA({name}={value!r}): expected a list of module names, not a "
+                                f"string (it would be read as its characters); write {name}=[{value!r}]")
+        self.regather_config()  # a bad regather field fails at construction
+
+    def regather_config(self) -> dora.DoRA:
+        """The :class:`regather.DoRA` these fields describe (it builds the adapters)."""
+        return dora.DoRA(
+            target_modules=list(self.target_modules or []), dim=self.dim, alpha=self.alpha, dropout=self.dropout,
+            dropout_position=self.dropout_position, lora_A_init_method=self.lora_A_init_method,
+            lora_B_init_method=self.lora_B_init_method,
+            sequence_parallel_input_regather=self.sequence_parallel_input_regather,
+            sequence_parallel_input_strategy=self.sequence_parallel_input_strategy, early_regather=self.early_regather,
+            lowrank_grad_allreduce=self.lowrank_grad_allreduce, recompute_adapter_inputs=self.recompute_adapter_inputs,
+            lean_transients=self.lean_transients, dora_norm=self.dora_norm,
+            recompute_dora_output=self.recompute_dora_output)
+
+    def to_cfg_dict(self) -> dict:
+        """As :meth:`LoRA.to_cfg_dict`: ``_target_: regather.bridge.DoRA`` and every constructor field."""
+        out = {"_target_": "regather.bridge.DoRA"}
+        for f in fields(self):
+            if f.init and not f.name.startswith("_"):
+                out[f.name] = _plain(getattr(self, f.name))
+        return out
+
+    def __call__(self, model, training: bool = True):
+        """Bridge's ``PEFT.__call__`` after re-validating the fields (recipes set them after construction)."""
+        self.__post_init__()
+        model = super().__call__(model, training=training)
+        for chunk in model if isinstance(model, list) else [model]:
+            chunk = getattr(chunk, "module", chunk)
+            if self.recompute_adapter_inputs:
+                attach_producers(chunk)
+            finish_wrapping(chunk)
+        return model
+
+    def transform(self, module: nn.Module, name: str | None = None, prefix: str | None = None) -> nn.Module:
+        """Wrap ``module`` in a regather ``DoRALinear`` when Bridge's matcher selects it."""
+        full_name = f"{prefix}.{name}" if prefix else (name or "")
+        if isinstance(module, (LoRALinear, ParallelLinearAdapter)) or any(
+            part in _WRAPPER_CHILDREN for part in full_name.split(".")
+        ):
+            return module
+        if isinstance(module, nn.Linear) or not is_parallel_linear(module):
+            return super().transform(module, name, prefix)  # Bridge's own (it refuses what it cannot adapt)
+        match = self.match(module, name, prefix)
+        if match is None:
+            return module
+        _, path = match
+        config = self.regather_config()
+        return config.wrap(module, config.make_adapter(path, module))
+
+
 # Users, YAML configs and pickles name the class by its public path (``regather.bridge`` imports it
 # from here): megatron's config container writes ``_target_`` from ``__module__`` for a dataclass
 # without ``to_cfg_dict``, and pickle looks the class up by it.
 LoRA.__module__ = "regather.bridge"
+DoRA.__module__ = "regather.bridge"

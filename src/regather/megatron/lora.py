@@ -289,10 +289,14 @@ class LoRA:
                                     ep_group=experts.grouped_ep_group(base) if grouped else None,
                                     expert_slots=experts.expert_slots(base) if grouped else None, **kwargs)
         else:
-            adapter = ParallelLinearAdapter(in_features, out_features, rank, **kwargs)
+            adapter = self.dense_adapter(in_features, out_features, rank, **kwargs)
         adapter.qualified_name = qualified_name or path
         adapter.redispatch_inputs = self.redispatch_expert_inputs
         return adapter
+
+    def dense_adapter(self, in_features: int, out_features: int, rank: int, **kwargs) -> ParallelLinearAdapter:
+        """The adapter of a dense (non-expert) linear (``DoRA`` makes its own)."""
+        return ParallelLinearAdapter(in_features, out_features, rank, **kwargs)
 
 
 def attach_producers(model: nn.Module) -> None:

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import torch.distributed as dist
 
-from regather import CanonicalLoRA, LoRA
+from regather import CanonicalLoRA, DoRA, LoRA
 from regather.tools.cpu.models import TinyGPT
 
 SHAPE = TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -127,6 +127,8 @@ EXPORTS = {
                                       "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]}),
     "canonical_qv": (CanonicalLoRA, {"target_modules": ["linear_q", "linear_v"]},
                      {"target_modules": ["q_proj", "v_proj"]}),
+    # DoRA: lora_magnitude_vector per module (the magnitude drawn at wrap time, B scaled after: m != ||W||)
+    "dora": (DoRA, {}, {"target_modules": ALL7, "use_dora": True}),
 }
 
 
@@ -211,6 +213,9 @@ LOADS = [
     ("separate_A", "canonical", None),
     ("qv_separate", "canonical_qv", None),
     ("alpha_pattern_split", "canonical", None),  # one scale per projection adapter
+    ("dora", "dora", None),
+    ("dora", "dora_lowrank", None),
+    ("shared_A", "dora", "a plain LoRA adapter"),
 ]
 MODELS = {
     "lora": (LoRA, "regather", {}),
@@ -219,6 +224,8 @@ MODELS = {
     "lora_layer1": (LoRA, "regather", {"target_modules": [f"*.layers.1.*.{k}" for k in KINDS]}),
     "canonical": (CanonicalLoRA, "regather", {}),
     "canonical_qv": (CanonicalLoRA, "regather", {"target_modules": ["linear_q", "linear_v"]}),
+    "dora": (DoRA, "regather", {}),
+    "dora_lowrank": (DoRA, "lowrank", {}),
 }
 ROUND_TRIPS = ("rslora", "alpha_pattern")  # after loading these, export again and read with PEFT
 

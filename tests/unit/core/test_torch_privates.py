@@ -68,3 +68,19 @@ def test_autograd_state_that_moment_reads():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         assert getter(False)[0] is pack
+
+
+def test_use_counts_for_a_gradient_changed_in_place():
+    """``core.peak.magnitude.exclusive``: ``Tensor._use_count()`` counts the tensor objects sharing one
+    TensorImpl (a view holds its base's), ``torch._C._storage_Use_Count`` the references to a storage (the
+    Python storage object asked for it holds one)."""
+    t = torch.randn(3)
+    assert t._use_count() == 1
+    view = t.view(3)
+    assert t._use_count() == 2
+    del view
+    storage = t.untyped_storage()
+    assert torch._C._storage_Use_Count(storage._cdata) == 2
+    alias = t.detach()
+    assert torch._C._storage_Use_Count(storage._cdata) == 3 and t._use_count() == 1
+    del alias

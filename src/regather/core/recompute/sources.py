@@ -61,6 +61,9 @@ class Kept:
     def handle(self) -> Kept:
         return self
 
+    def twin(self) -> Kept:
+        return self
+
 
 KEEP = Kept()
 
@@ -87,6 +90,14 @@ class Recomputed:
     def handle(self) -> Recomputed:
         """What a ``ctx`` keeps: the producer, no tensors."""
         return Recomputed(self.producer, None)
+
+    def twin(self) -> Recomputed:
+        """A second source over the same captured tensors (the same storages: no new bytes), for a second
+        reader of the rebuilt input in backward (DoRA's magnitude, :mod:`regather.core.peak.rebuild`);
+        made before the path saves this one."""
+        if self.tensors is None:
+            raise RuntimeError(f"recompute source of {self.producer.name!r}: twin() after save()")
+        return Recomputed(self.producer, self.tensors)
 
 
 Captured = Kept | Recomputed  # what a producer's ``capture`` answers (front ends add ready sources)

@@ -88,6 +88,7 @@ class RegatherSlot:
     __slots__ = (
         "defer",
         "early",
+        "full",
         "fuse",
         "grad_mid",
         "group",
@@ -112,7 +113,7 @@ class RegatherSlot:
         self.group, self.pool, self.early, self.defer, self.share = group, pool, early, defer, share
         self.seq_dim = seq_dim
         self.source, self.saved, self.versions, self.x_local = KEEP, None, None, None
-        self.lease = self.pending = None
+        self.lease = self.pending = self.full = None
         self.grad_mid = self.weight = self.fuse = None
 
     def bind(self, source, saved) -> None:
@@ -144,6 +145,17 @@ class RegatherSlot:
         self.lease = self.pool.acquire(BACKWARD_SCRATCH, full_shape(x, t, self.seq_dim), x.dtype, x.device)
         self.pending = comm.all_gather_seq(x, self.group, out=self.lease.tensor, async_op=True, dim=self.seq_dim)
 
+    def gathered(self) -> torch.Tensor:
+        """The re-gathered input, waited for (the gather started if it was not): for another reader before
+        ``dA`` (DoRA's magnitude gradient, :mod:`regather.core.peak.rebuild`). It stays until ``dA`` has
+        read it, as the early start keeps it."""
+        self.start_gather()
+        if self.share is not None:
+            return self.share.wait(self.observer)
+        if self.full is None:
+            self.full = self.pending.wait() if self.observer is None else self.observer.wait(self.pending)
+        return self.full
+
     def weight_grad(self, weight, grad_mid, fuse):
         """Wait for the gather, ``dA = dmid^T x_full``, release the scratch buffer."""
         self.start_gather()
@@ -152,10 +164,10 @@ class RegatherSlot:
             self.share.done()
             self.pending = None
             return grad_w
-        x_full = self.pending.wait() if self.observer is None else self.observer.wait(self.pending)
+        x_full = self.gathered()
         grad_w = weight_grad(weight, grad_mid, x_full, fuse)
         self.lease.release()  # the GEMM above was the last reader
-        self.lease = self.pending = self.x_local = None
+        self.lease = self.pending = self.x_local = self.full = None
         return grad_w
 
     @classmethod

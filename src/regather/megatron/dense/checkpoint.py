@@ -14,6 +14,8 @@ LoRA-B                          ``<path>.adapter.linear_out.weight``    ``[o, r]
                                                                         declared apart (megatron's SwiGLU factory)
 holder extra state              ``<path>.adapter.linear_{in,out}.``     ``ShardedObject`` (``None``), as megatron's
                                 ``_extra_state``                        linears write it
+DoRA magnitude, column base     ``<path>.adapter.weight_magnitude``     ``[o]`` global, split over TP on axis 0
+DoRA magnitude, row base        ``<path>.adapter.weight_magnitude``     ``[o]``, replicated (Bridge's layout)
 =============================== ======================================= ==========================================
 
 ``<path>`` is the wrapped linear's path (``decoder.layers.0.self_attention.linear_qkv``);
@@ -118,6 +120,25 @@ def adapter_sharded_state_dict(adapter, prefix: str = "", sharded_offsets=(), me
         out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets,
                                                 metadata.get("singleton_local_shards", False))
     return out
+
+
+def magnitude_sharded_state_dict(adapter, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+    """A DoRA adapter's ``weight_magnitude`` as Megatron Bridge's ``ParallelLinearDoRAAdapter`` declares it:
+    ``[o]`` global split over TP on axis 0 for a column-parallel base, replicated (whole) for a row-parallel one."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+
+    metadata = _metadata(metadata)
+    key = f"{prefix}weight_magnitude"
+    groups = dict(tp_group=adapter.tp_group or parallel_state.get_tensor_model_parallel_group(),
+                  dp_cp_group=metadata["dp_cp_group"])
+    if adapter.column_parallel:
+        sharded = make_tp_sharded_tensor_for_checkpoint(adapter.weight_magnitude, key, 0,
+                                                        prepend_offsets=sharded_offsets, **groups)
+    else:
+        sharded = make_sharded_tensor_for_checkpoint(adapter.weight_magnitude, key, prepend_offsets=sharded_offsets,
+                                                     **groups)
+    return {key: sharded}
 
 
 # -- parts of a checkpoint ----------------------------------------------------------------

@@ -108,7 +108,8 @@ def spec_from_args(args) -> BenchSpec:
     spec = BenchSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, vocab=args.vocab,
                      kv_heads=args.kv_heads, tp=args.tp, seq=args.seq, micro_batch=args.micro_batch,
                      dtype=_dtype(args, ""), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                     targets=tuple(targets), canonical=args.canonical,
+                     targets=tuple(targets), canonical=args.canonical, peft=args.peft,
+                     recompute_dora_output=args.recompute_dora_output,
                      steps=args.steps, warmup=args.warmup, strategies=strategies,
                      timeout=args.timeout, quiet=args.quiet, input_requires_grad=args.input_requires_grad)
     problems = spec.problems()

@@ -77,6 +77,8 @@ def command_line(spec: dict, out: str | None = None) -> str:
         opts += ["--input-requires-grad"]
     if spec.get("canonical"):
         opts += ["--canonical"]
+    if spec.get("peft", "lora") != "lora":
+        opts += ["--peft", spec["peft"]] + (["--recompute-dora-output"] if spec.get("recompute_dora_output") else [])
     if out:
         opts += ["--out", out]
     return "regather bench " + " ".join(shlex.quote(str(o)) for o in opts)
@@ -264,6 +266,9 @@ def text_table(summary: dict) -> str:
     lean = lean_lines(summary)
     if lean:
         lines += [""] + wrapped([LEAN_TIME + ":"] + [f"  {t}" for t in lean])
+    if summary["spec"].get("peft") == "dora":
+        lines += ["", "DoRA's kept pre-magnitude output z per rank (saved_dora_output_bytes): " + ", ".join(
+            f"{name} {_mb(row['saved_dora_output_bytes'])} MiB" for name, row in summary["strategies"].items())]
     return "\n".join(lines)
 
 
@@ -310,7 +315,9 @@ def _spec_line(spec: dict) -> str:
             f"{spec['dtype']}, LoRA rank {spec['lora_rank']} on {', '.join(spec['targets'])}; "
             f"{spec['steps']} steps, first {spec['warmup']} not timed"
             + ("; decoder input requires grad" if spec.get("input_requires_grad") else "")
-            + ("; CanonicalLoRA, gated SwiGLU MLP" if spec.get("canonical") else ""))
+            + ("; CanonicalLoRA, gated SwiGLU MLP" if spec.get("canonical") else "")
+            + ("; DoRA" + (", output rebuilt" if spec.get("recompute_dora_output") else "")
+               if spec.get("peft") == "dora" else ""))
 
 
 def header(summary: dict, title: str, ranks: int, spec_line: str) -> list[str]:

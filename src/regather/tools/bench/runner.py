@@ -40,10 +40,18 @@ class BenchSpec(ModelShape, RunShape):
     # regather.CanonicalLoRA on a gated SwiGLU GPT (its targets are CANONICAL_TARGETS): the
     # q/k/v and gate/up adapter inputs are reported beside Bridge's CanonicalLoRA (canonical_inputs)
     canonical: bool = False
+    # "dora": regather.DoRA on the same GPT (its pre-magnitude output rebuilt in backward with
+    # recompute_dora_output); the kept output is reported apart (saved_dora_output_bytes)
+    peft: str = "lora"
+    recompute_dora_output: bool = False
 
     def problems(self) -> list[str]:
         """Every reason this spec cannot run (empty: it can)."""
         out = tp_problems(self, self.tp, self.seq, self.sp) + target_problems(self.targets, self.canonical)
+        if self.peft not in ("lora", "dora") or (self.peft == "dora" and self.canonical):
+            out.append(f"--peft {self.peft}: expected lora or dora (dora without --canonical)")
+        if self.recompute_dora_output and self.peft != "dora":
+            out.append("--recompute-dora-output needs --peft dora")
         if self.steps <= self.warmup:
             out.append(f"--steps ({self.steps}) must exceed --warmup ({self.warmup})")
         return out
@@ -58,7 +66,7 @@ class BenchSpec(ModelShape, RunShape):
                          lora_dim=self.lora_rank, lora_alpha=self.lora_alpha, targets=tuple(self.targets),
                          lora_B_init_method="normal", seed=self.seed, warmup=self.warmup,
                          input_requires_grad=self.input_requires_grad, swiglu=self.canonical,
-                         canonical=self.canonical)
+                         canonical=self.canonical, peft=self.peft, recompute_dora_output=self.recompute_dora_output)
 
 
 def target_problems(targets, canonical: bool = False, hint: bool = True) -> list[str]:
@@ -223,6 +231,8 @@ def summarise(per_rank: list, spec: BenchSpec) -> dict:
             "saved_bytes": int(res["saved_bytes"]),
             "saved_adapter_input_bytes": int(res["saved_adapter_input_bytes"]),
             "saved_bytes_by_label": res.get("saved_bytes_by_label", {}),
+            "saved_dora_output_bytes": sum(n for k, n in res.get("saved_bytes_by_label", {}).items()
+                                           if k.startswith("dora_output")),
             "comm_bytes": comm,
             "comm_bytes_total": sum(comm.values()),
             "comm_bytes_extra_vs_gather": extra,

@@ -49,6 +49,9 @@ class RunConfig:
     canonical: bool = False
     # LoRA(lean_transients=...): None, each strategy's default (lean but for the classic gather path)
     lean_transients: bool | None = None
+    # "dora": regather.DoRA instead of LoRA (recompute_dora_output: its pre-magnitude output rebuilt in backward)
+    peft: str = "lora"
+    recompute_dora_output: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -108,6 +111,10 @@ def lora_for(cfg: RunConfig) -> LoRA:
     cls = LoRA
     if cfg.canonical:
         from regather.megatron.canonical import CanonicalLoRA as cls
+    if cfg.peft == "dora":
+        from regather.megatron.dora import DoRA as cls
+
+        kwargs["recompute_dora_output"] = cfg.recompute_dora_output
     if strategy in (Strategy.GATHER, Strategy.REGATHER):
         return cls(sequence_parallel_input_regather=strategy == Strategy.REGATHER, **kwargs)
     return lora_asking(strategy, kwargs, cls)

@@ -115,7 +115,8 @@ def setup_from_args(args) -> Setup:
         input_requires_grad=args.input_requires_grad, activation=args.activation or base.activation,
         add_bias_linear=base.add_bias_linear if args.add_bias_linear is None else args.add_bias_linear, spec=spec,
         attention_keeps_output=attention(argparse.Namespace(attention=args.attention, spec=spec)) == "fused",
-        model_name=name, bridge_lora=args.bridge_lora, te_version=args.te_version or _installed_te())
+        model_name=name, bridge_lora=args.bridge_lora, te_version=args.te_version or _installed_te(),
+        peft=args.peft, recompute_dora_output=args.recompute_dora_output)
     _check(setup)
     return setup
 

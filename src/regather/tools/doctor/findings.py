@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from regather.core.recompute.graph import NOTHING_KEPT
 from regather.megatron.reasons import ELIGIBLE_BASES
+from regather.tools.doctor.dora import dora_findings
 from regather.tools.doctor.environment import env_findings
 from regather.tools.doctor.rules import analytic_decisions
 from regather.tools.doctor.savings import redispatch_finding, saving_finding
@@ -126,4 +127,4 @@ def diagnose(env: Mapping[str, str], setup: Setup, decisions: Mapping[str, Mappi
     redispatch = redispatch_finding(setup, decisions)
     te = te_gradient_finding(setup)
     return (env_findings(env, setup) + ([te] if te else []) + adapter_findings(setup, decisions)
-            + ([redispatch] if redispatch else []) + [saving_finding(setup, decisions)])
+            + ([redispatch] if redispatch else []) + [saving_finding(setup, decisions)] + dora_findings(setup))

@@ -56,6 +56,10 @@ class Setup(ModelShape, RunShape):
     # the LoRA is Megatron Bridge's own (not regather's), and the Transformer Engine version (te_gradient)
     bridge_lora: bool = False
     te_version: str | None = None
+    # the PEFT: "lora" or "dora" (regather.DoRA / Bridge's DoRA with bridge_lora), and DoRA's
+    # recompute_dora_output (regather.tools.doctor.dora)
+    peft: str = "lora"
+    recompute_dora_output: bool = False
     # what the base linears keep (regather.tools.estimate.spec): "local" (megatron's local spec, what
     # --build builds) or "te" (Transformer Engine, what Bridge's recipes run: the command's default)
     spec: str = "local"

@@ -34,23 +34,27 @@ FIX = ("use regather.bridge.LoRA (it takes TE's local LayerNorm output on every 
 
 def asks_gathered(setup: Setup) -> bool:
     """Whether the run's LoRA asks TE for its gathered LayerNorm output: Bridge's own LoRA under SP
-    (TP > 1) without ``sequence_parallel_input_regather`` (``--strategy regather``). regather's never does."""
-    return setup.bridge_lora and setup.sp and setup.tp > 1 and setup.strategy != "regather"
+    (TP > 1) without ``sequence_parallel_input_regather`` (``--strategy regather``); Bridge's DoRA under SP
+    always (it has no re-gather option). regather's never does."""
+    dora = getattr(setup, "peft", "lora") == "dora"
+    return setup.bridge_lora and setup.sp and setup.tp > 1 and (dora or setup.strategy != "regather")
 
 
 def te_gradient_finding(setup: Setup) -> Finding | None:
     """The ``te-ln-grad`` finding for ``setup`` (module doc), or None."""
     if not asks_gathered(setup):
         return None
-    what = ("Megatron Bridge's LoRA asks TELayerNormColumnParallelLinear for its gathered LayerNorm output "
-            f"(sequence parallelism, TP={setup.tp})")
+    dora = getattr(setup, "peft", "lora") == "dora"
+    what = (f"Megatron Bridge's {'DoRA' if dora else 'LoRA'} asks TELayerNormColumnParallelLinear for its gathered "
+            f"LayerNorm output (sequence parallelism, TP={setup.tp}{'; DoRA has no re-gather option' if dora else ''})")
+    fix = "use regather.bridge.DoRA (it takes TE's local LayerNorm output on every strategy)" if dora else FIX
     version = version_tuple(setup.te_version) if setup.te_version else None
     if version is None:
         return Finding(CODE, "warning", f"{what}; Transformer Engine from 2.4 on drops that output's gradient "
                        f"(LoRA's share of the input gradient is lost), and the TE version is unknown here "
-                       f"(--te-version)", FIX)
+                       f"(--te-version)", fix)
     if version < DROPS_FROM:
         return None
     return Finding(CODE, "error", f"{what}, and Transformer Engine {setup.te_version} drops that output's gradient "
                    "(since 2.4): LoRA's share of the input gradient never reaches the norm and the layers below",
-                   FIX)
+                   fix)

@@ -17,6 +17,7 @@ One module per concern:
   Transformer Engine, what Bridge's recipes run; ``--spec local``: megatron's local spec, what bench
   runs and :class:`Run` defaults to)
 - :mod:`.dense`   — the dense adapters' bytes and collectives (the per-adapter tables)
+- :mod:`.dora`    — ``--peft dora``: what DoRA's magnitude keeps (the pre-magnitude output), per adapter
 - :mod:`.experts` — the expert adapters' bytes (the EP x ETP group's mean) and the collectives of
   rebuilding their inputs from the router's input
 - :mod:`.summary` — the totals per strategy (:func:`estimate`)
@@ -85,6 +86,7 @@ from regather.tools.estimate.config import (
     split_strategy,
 )
 from regather.tools.estimate.dense import adapter_inputs, dense_comm_changes
+from regather.tools.estimate.dora import DORA_OUTPUTS, PEFTS, dora_output_bytes
 from regather.tools.estimate.experts import (
     expert_adapters_per_layer,
     expert_comm_changes,
@@ -109,12 +111,13 @@ from regather.tools.estimate.summary import (
 from regather.tools.estimate.titan import titan_estimate
 
 __all__ = [
-    "ALL_STRATEGIES", "ALL_TARGETS", "ATTENTION", "EXPERT_LORA", "EXPERT_TARGETS", "LAYOUTS", "NORM_OF", "PRESETS",
-    "RECIPES", "RECOMPUTE", "REFERENCE", "ROUTER_KEEPS_NOTHING", "SPECS", "STRATEGIES", "VARIANTS", "AdapterInput",
-    "Layout", "Model", "Recipe",
+    "ALL_STRATEGIES", "ALL_TARGETS", "ATTENTION", "DORA_OUTPUTS", "EXPERT_LORA", "EXPERT_TARGETS", "LAYOUTS", "NORM_OF",
+    "PEFTS", "PRESETS", "RECIPES", "RECOMPUTE", "REFERENCE", "ROUTER_KEEPS_NOTHING", "SPECS", "STRATEGIES", "VARIANTS",
+    "AdapterInput", "Layout", "Model", "Recipe",
     "Run", "adapter_input_bytes", "adapter_inputs", "as_json", "check_run", "comm_changes", "dense_comm_changes",
-    "eligible_per_layer", "estimate", "expert_adapters_per_layer", "expert_comm_changes", "expert_fc1_source",
-    "expert_inputs", "expert_layout", "expert_lora", "extra_comm_bytes", "format_report", "layers_here", "local_tokens",
-    "predispatch_comm", "producer_inputs_need_grad", "recompute_summary", "redispatch_comm", "reference_for",
-    "routed_rows", "same_work", "saved_vs_gather", "shared_summary", "split_strategy", "titan_estimate",
+    "dora_output_bytes", "eligible_per_layer", "estimate", "expert_adapters_per_layer", "expert_comm_changes",
+    "expert_fc1_source", "expert_inputs", "expert_layout", "expert_lora", "extra_comm_bytes", "format_report",
+    "layers_here", "local_tokens", "predispatch_comm", "producer_inputs_need_grad", "recompute_summary",
+    "redispatch_comm", "reference_for", "routed_rows", "same_work", "saved_vs_gather", "shared_summary",
+    "split_strategy", "titan_estimate",
 ]

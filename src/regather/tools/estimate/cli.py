@@ -82,6 +82,7 @@ def run_from_args(args, key: str | None = None) -> Run:
                redispatch_expert_inputs=args.redispatch_expert_inputs,
                attention_keeps_output=attention(args) == "fused", spec=getattr(args, "spec", "local"),
                cp=getattr(args, "cp", 1), te_version=getattr(args, "te_version", None),
+               peft=getattr(args, "peft", "lora"), dora_output=getattr(args, "dora_output", "keep"),
                **recompute(args, "estimate"))
 
 

@@ -38,7 +38,8 @@ class Model(ModelShape):
 
     experts: str = "grouped"
     name: str = field(default="model", kw_only=True)
-    # the dense MLP is gated (SwiGLU: fc1 makes gate and up, 2 x ffn wide), as in every preset
+    # the dense MLP is gated (SwiGLU: fc1 makes gate and up, 2 x ffn wide), as in every preset (fc1's output,
+    # what DoRA keeps for it, the memory model's weights and activations depend on it)
     gated_mlp: bool = field(default=False, kw_only=True)
     # per-head RMSNorm on q and k before the rotary embedding (Qwen3's qk_layernorm)
     qk_norm: bool = field(default=False, kw_only=True)
@@ -151,6 +152,10 @@ class Run(RunShape):
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     recompute_modules: tuple = ()
+    # the PEFT: "lora" or "dora" (regather.DoRA); DoRA's pre-magnitude output "keep" (as Bridge) or
+    # "rebuild" (recompute_dora_output=True) (regather.tools.estimate.dora)
+    peft: str = "lora"
+    dora_output: str = "keep"
 
     @property
     def e(self) -> int:

@@ -260,7 +260,8 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
         f"{model.heads} heads / {model.kv_heads or model.heads} kv, "
         + (f"{model.num_experts} experts x {model.moe_ffn} top-{model.topk}" if model.moe else f"ffn {model.ffn}"),
         f"run: TP={run.tp} SP={'on' if run.sp else 'off'} seq={run.seq} micro-batch={run.micro_batch} "
-        f"in-flight={run.in_flight} PP={run.pp} {run.dtype} LoRA r={run.lora_rank} on {', '.join(run.targets)}",
+        f"in-flight={run.in_flight} PP={run.pp} {run.dtype} {'DoRA' if run.peft == 'dora' else 'LoRA'} "
+        f"r={run.lora_rank} on {', '.join(run.targets)}",
         *run_extras(run),
         *_expert_lines(model, run),
         f"re-gather-eligible adapters per layer: {', '.join(eligible) or 'none'}",
@@ -294,6 +295,10 @@ def format_report(model: Model, run: Run, result: dict, reference: dict | None =
             parts = ", ".join(f"{k.split('.')[1]} {v / 1e9:.3f} GB" for k, v in experts.items())
             lines.append(f"    of which expert adapters  : {gb(sum(experts.values()))}: {parts}")
         lines.append(f"  saved vs gather             : {gb(row['saved_vs_gather'])}")
+        if "dora_output_bytes" in row:
+            lines.append(f"  DoRA's magnitude keeps      : {gb(row['dora_output_bytes'])}"
+                         + ("  (its scale and norm; z rebuilt in backward)" if run.dora_output == "rebuild" else
+                            "  (z, its scale and norm, as Bridge's DoRA; --dora-output rebuild: z not kept)"))
         if "saved_vs_gather_frozen_input" in row:
             frozen, grad = row["saved_vs_gather_frozen_input"], row["saved_vs_gather_input_requires_grad"]
             if frozen != grad:

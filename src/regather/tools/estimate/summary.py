@@ -18,6 +18,7 @@ from dataclasses import replace
 from regather.megatron.reasons import ALL_TARGETS, EXPERT_TARGETS
 from regather.tools.estimate.config import ALL_STRATEGIES, Model, Run, check_run, split_strategy
 from regather.tools.estimate.dense import adapter_inputs, dense_comm_changes
+from regather.tools.estimate.dora import dora_output_bytes
 from regather.tools.estimate.experts import expert_comm_changes, expert_inputs
 
 
@@ -127,6 +128,9 @@ def estimate(model: Model, run: Run, strategies=ALL_STRATEGIES, gpu_gib: float |
         row["peak"] = peak(model, run, name)
         row["peak_other_output_path"] = peak(model, run, name, lean=not lean_output(name))
         row["gpu"] = gpu_total(model, run, name, gpu_gib)
+        if run.peft == "dora":  # only where asked (--peft dora): the default document is unchanged
+            dora = dora_output_bytes(model, run)
+            row["dora_output_bytes"], row["dora_output_by_target"] = sum(dora.values()), dora
         shared = shared_summary(model, run, name)
         if shared:  # only where asked (--attention fused): the default document is unchanged
             row["shared_by_target"] = shared

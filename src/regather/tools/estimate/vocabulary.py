@@ -26,6 +26,7 @@ from regather.megatron.canonical import CANONICAL_TARGETS
 from regather.megatron.reasons import ALL_TARGETS, DISPATCHERS
 from regather.tools.cmdline import HelpFormatter, names, non_negative, positive, positive_number, seconds
 from regather.tools.estimate.config import ATTENTION, BRIDGE_VERSION, EXPERT_LORA, LAYOUTS, PRESETS, RECIPES, SPECS
+from regather.tools.estimate.dora import DORA_OUTPUTS, PEFTS
 from regather.tools.estimate.options import layout_text, recipe_lora
 from regather.tools.shapes import DTYPE_BYTES, EXPERT_KINDS
 from regather.torchtitan.options import VARIANTS as TITAN_VARIANTS
@@ -275,6 +276,14 @@ FLAGS: list[Flag] = [
          type=positive_number),
     Flag(("--recompute-adapter-inputs",), "LoRA(recompute_adapter_inputs=True): which adapter inputs are rebuilt in "
          "backward, from what", (D,), "lora", switch=True),
+    Flag(("--peft",), "the PEFT scheme: lora, or dora (regather.DoRA, Megatron Bridge's other scheme: a trainable "
+         "magnitude per output feature; what it keeps beyond LoRA is reported apart)", (E, D, B), "lora",
+         choices=PEFTS, default="lora"),
+    Flag(("--dora-output",), "--peft dora: DoRA's pre-magnitude output keep (as Bridge does) or rebuild in backward "
+         "(DoRA(recompute_dora_output=True): one more base GEMM per adapter)", (E,), "lora", choices=DORA_OUTPUTS,
+         default="keep"),
+    Flag(("--recompute-dora-output",), "--peft dora: DoRA(recompute_dora_output=True), the pre-magnitude output "
+         "rebuilt in backward instead of kept", (D, B), "lora", switch=True),
     Flag(("--bridge-lora",), "the run uses Megatron Bridge's own LoRA (--strategy regather: with "
          "sequence_parallel_input_regather=True): checks what it asks Transformer Engine for", (D,), "lora",
          switch=True),

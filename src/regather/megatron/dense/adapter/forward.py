@@ -229,8 +229,7 @@ class AdapterForward:
                 raise ValueError(f"LoRA adapter on {self.facts.base_name!r}: out_blocks needs a lean plan")
             return base_out + self.forward(x, dataclasses.replace(plan, lean=False, junction=None), input_gathered,
                                            x_full, m_splits)
-        mid, plan, b, splits = self._mid(x, plan, input_gathered, x_full, m_splits)
-        mid = torch.ops.aten.mul.Scalar(mid, self.scale)  # the scale on the rank-r side (regather.core.peak.output)
+        mid, plan, b, splits = self.lean_mid(x, plan, input_gathered, x_full, m_splits)
         fuse, group = self.gradient_accumulation_fusion, self.tp_group
         if splits is not None:  # per-expert LoRA-B blocks: their output whole, added in place (one W, not three)
             delta = linear(mid, b, fuse, splits=splits)
@@ -248,6 +247,17 @@ class AdapterForward:
             return lora_into_output_(base_out, mid, b, fuse, cols=slice(self.tp_rank * width, (self.tp_rank + 1) * width),
                                      on_grad=on_grad)
         return row_lora_into_output_(base_out, mid, b, group, self.sequence_parallel, fuse, on_grad=on_grad)
+
+    def lean_mid(self, x, plan, input_gathered=False, x_full=None, m_splits=None):
+        """A lean forward's LoRA-A and ``mid``'s reduction, the scale on the rank-``r`` side
+        (:mod:`regather.core.peak.output`): ``(scale · mid, plan completed with this input, LoRA-B's weight,
+        row blocks)``, ``mid`` in LoRA-B's layout (the row path: this rank's sequence shard)."""
+        mid, plan, b, splits = self._mid(x, plan, input_gathered, x_full, m_splits)
+        return torch.ops.aten.mul.Scalar(mid, self.scale), plan, b, splits
+
+    def before_lora_a(self, plan: Plan, x: torch.Tensor) -> None:
+        """Called with the completed plan and LoRA-A's input, before LoRA-A's path saves anything (a
+        subclass that reads the same input again in backward takes its source here: DoRA)."""
 
     @property
     def base_out_features(self) -> int:
@@ -272,6 +282,7 @@ class AdapterForward:
         # on the forward only executes it
         plan = self.with_input(plan, x, shared=x_full is not None, gathered=input_gathered)
         decision, source, path = plan.decision, plan.source, plan.path
+        self.before_lora_a(plan, x)
         if self.dropout is not None and self.dropout_position == "pre":
             x = self.dropout(x)
         group, fuse = self.tp_group, self.gradient_accumulation_fusion
