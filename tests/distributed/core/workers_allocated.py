@@ -66,21 +66,18 @@ def _peak_region(keep: list, functional: bool) -> None:
 
 
 def peak_regions(rank, world_size, repeats: int) -> dict:
-    """``settle_each_collective``: the peak and what is alive at a mark, every time, for c10d (sync and
-    async) and functional all-gathers; with the collective tensors held to the end instead, the peak
+    """``settle_each_collective``: every sample of the peak, and what is alive at a mark, for c10d (sync
+    and async) and functional all-gathers; with the collective tensors held to the end instead, the peak
     is higher (every output held)."""
-    out = {"settled": [], "held": []}
+    out = {"settled": {False: [], True: []}, "held": []}
     for _ in range(repeats):
         for functional in (False, True):
-            counts = []
-            for _ in range(3):  # the smallest of three: a worker descheduled across the drains can only add bytes
-                keep: list = []
-                with AllocatedBytes(settle_each_collective=True) as a:
-                    _peak_region(keep, functional)
-                    a.mark("end")
-                    keep.clear()
-                counts.append((a.peak, a.alive_at("end"), a.alive))
-            out["settled"].append(min(counts))
+            keep: list = []
+            with AllocatedBytes(settle_each_collective=True) as a:
+                _peak_region(keep, functional)
+                a.mark("end")
+                keep.clear()
+            out["settled"][functional].append((a.peak, a.alive_at("end"), a.alive))
         with AllocatedBytes(settle_collectives=True, hold_collective_tensors=True) as a:
             _peak_region([], False)
         out["held"].append(a.peak)
