@@ -9,8 +9,9 @@ STAMP  := $(VENV)/.regather-installed
 TORCH_PIN    := torch==2.13.0
 MEGATRON_PIN := megatron-core==0.16.1
 JOBS ?= 2
-# pytest-xdist: a file's tests on one worker (its module-scoped spawns run once)
-DIST ?= --dist loadfile
+# pytest-xdist: a file's tests on one worker (its module-scoped spawns run once), the files in collection
+# order, which tests/conftest.py makes the longest first (tests.harness.schedule)
+DIST ?= --dist loadfile --no-loadscope-reorder
 
 .PHONY: venv demo test test-unit test-distributed lint clean
 

@@ -43,10 +43,12 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """The markers ``megatron`` and ``torch_version_sensitive``, by the rules of :mod:`tests.harness.tiers`
-    (which CI tier runs a test again on another stack)."""
-    from tests.harness import tiers
+    (which CI tier runs a test again on another stack); then the files in the order pytest-xdist should start
+    them, the longest first (:mod:`tests.harness.schedule`)."""
+    from tests.harness import schedule, tiers
 
     tiers.mark(items)
+    schedule.order(items)
 
 
 @pytest.fixture
