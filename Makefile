@@ -17,23 +17,23 @@ DIST ?= --dist loadfile --no-loadscope-reorder
 
 venv: $(STAMP)
 
-#: pip writes no .pyc for the ~15,000 modules of each environment (measured: 2.5 ms of CPU each,
+# --no-compile: pip writes no .pyc for the ~15,000 modules of each environment (measured: 2.5 ms of CPU each,
 # most never imported); Python compiles what is imported on first use
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip 'setuptools>=77'
-	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q --no-compile --upgrade pip 'setuptools>=77'
+	$(PIP) install -q --no-compile $(TORCH_PIN)
 	# megatron-core declares heavy optional deps; it runs on CPU with numpy + packaging.
-	$(PIP) install -q --no-deps $(MEGATRON_PIN)
+	$(PIP) install -q --no-compile --no-deps $(MEGATRON_PIN)
 	# Constraints hold torch at the build installed above: peft and accelerate require torch; should
 	# one of them (or a later pin) want a torch this build does not satisfy, pip fails here instead of
 	# replacing it with another build from the index (a CUDA wheel of several GB).
 	echo '$(TORCH_PIN)' > $(VENV)/constraints.txt
-	$(PIP) install -q -c $(VENV)/constraints.txt -r requirements-dev.txt
+	$(PIP) install -q --no-compile -c $(VENV)/constraints.txt -r requirements-dev.txt
 	# torchtitan (tests/*/torchtitan): its own pins without its declared dependencies (datasets, tensorboard,
 	# wandb, ...: not imported by what the tests run); tyro & co. come from requirements-dev.txt.
-	$(PIP) install -q --no-deps -c $(VENV)/constraints.txt torchtitan==0.3.0 spmd_types==0.2.3
-	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PIP) install -q --no-compile --no-deps -c $(VENV)/constraints.txt torchtitan==0.3.0 spmd_types==0.2.3
+	$(PIP) install -q --no-compile --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 demo: venv
@@ -72,7 +72,7 @@ VENV312 := .venv312
 TIERS := -m tests.harness.tiers
 
 $(COMPAT_DIR)/.installed: $(STAMP)
-	$(PIP) install -q --no-deps --ignore-requires-python --target $(COMPAT_DIR) \
+	$(PIP) install -q --no-compile --no-deps --ignore-requires-python --target $(COMPAT_DIR) \
 		--python-version 3.12 --only-binary=:all: $(COMPAT_PIN)
 	touch $@
 
@@ -105,7 +105,7 @@ BRIDGE_PATH := $(BRIDGE_DIR):$(COMPAT_DIR)
 
 $(BRIDGE_DIR)/.installed: $(STAMP)
 	rm -rf $(BRIDGE_DIR)
-	$(PIP) install -q --no-deps --ignore-requires-python --target $(BRIDGE_DIR) \
+	$(PIP) install -q --no-compile --no-deps --ignore-requires-python --target $(BRIDGE_DIR) \
 		--python-version 3.12 --only-binary=:all: $(BRIDGE_PIN)
 	touch $@
 
