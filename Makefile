@@ -9,40 +9,45 @@ STAMP  := $(VENV)/.regather-installed
 TORCH_PIN    := torch==2.13.0
 MEGATRON_PIN := megatron-core==0.16.1
 JOBS ?= 2
+# pytest-xdist: a file's tests on one worker (its module-scoped spawns run once), the files in collection
+# order, which tests/conftest.py makes the longest first (tests.harness.schedule)
+DIST ?= --dist loadfile --no-loadscope-reorder
 
 .PHONY: venv demo test test-unit test-distributed lint clean
 
 venv: $(STAMP)
 
+# --no-compile: pip writes no .pyc for the ~15,000 modules of each environment (measured: 2.5 ms of CPU each,
+# most never imported); Python compiles what is imported on first use
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip 'setuptools>=77'
-	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q --no-compile --upgrade pip 'setuptools>=77'
+	$(PIP) install -q --no-compile $(TORCH_PIN)
 	# megatron-core declares heavy optional deps; it runs on CPU with numpy + packaging.
-	$(PIP) install -q --no-deps $(MEGATRON_PIN)
+	$(PIP) install -q --no-compile --no-deps $(MEGATRON_PIN)
 	# Constraints hold torch at the build installed above: peft and accelerate require torch; should
 	# one of them (or a later pin) want a torch this build does not satisfy, pip fails here instead of
 	# replacing it with another build from the index (a CUDA wheel of several GB).
 	echo '$(TORCH_PIN)' > $(VENV)/constraints.txt
-	$(PIP) install -q -c $(VENV)/constraints.txt -r requirements-dev.txt
+	$(PIP) install -q --no-compile -c $(VENV)/constraints.txt -r requirements-dev.txt
 	# torchtitan (tests/*/torchtitan): its own pins without its declared dependencies (datasets, tensorboard,
 	# wandb, ...: not imported by what the tests run); tyro & co. come from requirements-dev.txt.
-	$(PIP) install -q --no-deps -c $(VENV)/constraints.txt torchtitan==0.3.0 spmd_types==0.2.3
-	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PIP) install -q --no-compile --no-deps -c $(VENV)/constraints.txt torchtitan==0.3.0 spmd_types==0.2.3
+	$(PIP) install -q --no-compile --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 demo: venv
 	$(PY) -m regather demo
 
 test: venv
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(JOBS) $(DIST) tests
 
 # the tests that run in-process (tests/unit), and those that spawn gloo ranks (tests/distributed, marker `distributed`)
 test-unit: venv
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/unit
+	$(PY) -m pytest -q -n $(JOBS) $(DIST) tests/unit
 
 test-distributed: venv
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/distributed
+	$(PY) -m pytest -q -n $(JOBS) $(DIST) tests/distributed
 
 # ruff (pyproject.toml [tool.ruff]) and the layering contracts (pyproject.toml [tool.importlinter]):
 # tools > hf > front ends > core > ops, MoE above the dense front end, no import cycle
@@ -59,14 +64,15 @@ clean:
 # (tests/distributed/torchtitan imports no megatron and runs in make test; the Bridge and recipe tiers have
 # their own targets). Without Python 3.12: megatron-core 0.19.2 placed beside the 3.11 stack with
 # PYTHONPATH (design.md §6; it imports triton), which make test-bridge uses in any case.
+# Which files: those of tests/distributed whose import closure reaches megatron (tests.harness.tiers: a file
+# that reaches no megatron module runs the same code on any megatron-core and ran in make test).
 COMPAT_DIR := .venv-compat/mcore019
 COMPAT_PIN := megatron-core==0.19.2
 VENV312 := .venv312
-COMPAT_ARGS := --ignore=tests/distributed/megatron/bridge --ignore=tests/distributed/testing \
-	--ignore=tests/distributed/recipes --ignore=tests/distributed/torchtitan tests/distributed
+TIERS := -m tests.harness.tiers
 
 $(COMPAT_DIR)/.installed: $(STAMP)
-	$(PIP) install -q --no-deps --ignore-requires-python --target $(COMPAT_DIR) \
+	$(PIP) install -q --no-compile --no-deps --ignore-requires-python --target $(COMPAT_DIR) \
 		--python-version 3.12 --only-binary=:all: $(COMPAT_PIN)
 	touch $@
 
@@ -78,11 +84,13 @@ test-compat:
 	[ $$rc -eq 0 ] || exit $$rc
 	PYTHONPATH=src $(VENV312)/bin/python -c "import megatron.core as m, sys; \
 		assert m.__version__.startswith('0.19.2'), m.__version__; print('megatron-core', m.__version__, 'installed, Python', sys.version.split()[0])"
-	PYTHONPATH=src $(VENV312)/bin/python -m pytest -q -n $(JOBS) --dist loadfile $(COMPAT_ARGS)
+	files=$$($(VENV312)/bin/python $(TIERS) compat) && [ -n "$$files" ] && \
+		PYTHONPATH=src $(VENV312)/bin/python -m pytest -q -n $(JOBS) $(DIST) $$files
 
 test-compat-311: $(COMPAT_DIR)/.installed
 	PYTHONPATH=$(COMPAT_DIR) $(PY) -c "import megatron.core as m; assert m.__version__.startswith('0.19.2'), m.__version__"
-	PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) --dist loadfile $(COMPAT_ARGS)
+	files=$$($(PY) $(TIERS) compat) && [ -n "$$files" ] && \
+		PYTHONPATH=$(COMPAT_DIR) $(PY) -m pytest -q -n $(JOBS) $(DIST) $$files
 
 # The tests against the real Megatron Bridge (tests/*/megatron/bridge; ~2 min on 2 cores). megatron-bridge 0.6.2 is a
 # pure-Python wheel that declares Python 3.12 and a GPU stack: it goes beside the pinned stack like
@@ -97,7 +105,7 @@ BRIDGE_PATH := $(BRIDGE_DIR):$(COMPAT_DIR)
 
 $(BRIDGE_DIR)/.installed: $(STAMP)
 	rm -rf $(BRIDGE_DIR)
-	$(PIP) install -q --no-deps --ignore-requires-python --target $(BRIDGE_DIR) \
+	$(PIP) install -q --no-compile --no-deps --ignore-requires-python --target $(BRIDGE_DIR) \
 		--python-version 3.12 --only-binary=:all: $(BRIDGE_PIN)
 	touch $@
 
@@ -105,7 +113,7 @@ $(BRIDGE_DIR)/.installed: $(STAMP)
 test-bridge: $(BRIDGE_DIR)/.installed $(COMPAT_DIR)/.installed
 	PYTHONPATH=$(BRIDGE_PATH) $(PY) -c "import importlib.metadata as md; \
 		v = md.version('megatron-bridge'), md.version('megatron-core'); assert v == ('0.6.2', '0.19.2'), v"
-	PYTHONPATH=$(BRIDGE_PATH) $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests/unit/megatron/bridge tests/distributed/megatron/bridge
+	PYTHONPATH=$(BRIDGE_PATH) $(PY) -m pytest -q -n $(JOBS) $(DIST) tests/unit/megatron/bridge tests/distributed/megatron/bridge
 
 # The Python 3.12 tier (docs/testing.md): Megatron Bridge 0.6.2's own recipes as users run them, on
 # the real megatron-bridge 0.6.2 and megatron-core 0.19.2 installed as packages in .venv312
@@ -119,7 +127,8 @@ test-recipes:
 	[ $$rc -eq 0 ] || exit $$rc
 	PYTHONPATH=src $(VENV312)/bin/python -m pytest -q -p no:cacheprovider tests/unit/recipes tests/distributed/recipes
 
-# The torch 2.14 tier (docs/testing.md): the unit tests, the torchtitan tests and the compile tests on
+# The torch 2.14 tier (docs/testing.md): the tests of what touches torch's moving surface (tests.harness.tiers
+# TORCH_TIER: regather.core, the kernels, torchtitan, torch.compile, each with its reason) on
 # torch 2.14.1+cu130 (on CPU) and triton 3.8.0, with the same assertions as on 2.13; the CUDA extension
 # regather._wgrad_ext built for sm_90 against that torch and this machine's CUDA toolkit
 # (.ci/build-ext.sh, into $(EXT214), git-ignored) and checked by tests/unit/ops/test_wgrad_ext_build.py;
@@ -130,8 +139,6 @@ test-recipes:
 VENV214 := .venv-torch214
 EXT214 := build/ext-torch214
 CUDA_TOOLKIT ?= optional
-TIER214_TESTS := tests/unit tests/distributed/torchtitan tests/distributed/hf/test_titan_peft_hf.py \
-	'tests/distributed/tools/test_bench_titan.py::test_ac_and_compile_end_to_end_lora_adds_its_rank_r_tensors_alone[compile]'
 
 .PHONY: test-torch214
 test-torch214:
@@ -142,5 +149,6 @@ test-torch214:
 	if [ $$rc -eq 3 ] && [ "$(CUDA_TOOLKIT)" != required ]; then \
 		echo "make test-torch214: regather._wgrad_ext not built: its tests skip"; \
 	elif [ $$rc -ne 0 ]; then exit $$rc; fi; \
-	echo "PYTHONPATH=src REGATHER_EXT_BUILD=$(EXT214) $(VENV214)/bin/python -m pytest -q -n $(JOBS) --dist loadfile $(TIER214_TESTS)"; \
-	PYTHONPATH=src REGATHER_EXT_BUILD=$(EXT214) $(VENV214)/bin/python -m pytest -q -n $(JOBS) --dist loadfile $(TIER214_TESTS)
+	set -f; tests=$$($(VENV214)/bin/python $(TIERS) torch214) && [ -n "$$tests" ] || exit 1; \
+	echo "PYTHONPATH=src REGATHER_EXT_BUILD=$(EXT214) $(VENV214)/bin/python -m pytest -q -n $(JOBS) $(DIST) "$$tests; \
+	PYTHONPATH=src REGATHER_EXT_BUILD=$(EXT214) $(VENV214)/bin/python -m pytest -q -n $(JOBS) $(DIST) $$tests

@@ -26,7 +26,7 @@
 # Transformer Engine is never installed; the check at the end fails if it finds it.
 set -euo pipefail
 SKIP_STATUS=3
-BUILD_REVISION=2
+BUILD_REVISION=2  # not bumped for --no-compile: the same packages, only no .pyc written ahead
 
 [ $# -eq 1 ] || { echo "usage: $0 VENV_DIR" >&2; exit 2; }
 cd "$(dirname "$0")/.."
@@ -83,14 +83,14 @@ quiet() {  # stderr without pip's line per package its configured file:// indexe
     "$@" 2> >(grep -v "^WARNING: Location 'file://.*' is ignored: it is neither a file nor a directory" >&2)
 }
 # shellcheck disable=SC2046
-quiet "${PIP[@]}" install --no-deps $(section bootstrap)
+quiet "${PIP[@]}" install --no-compile --no-deps $(section bootstrap)
 t=$(date +%s)
 # shellcheck disable=SC2046
-"${PIP[@]}" install --no-deps "${LOCAL_WHEELS[@]}" $(section torch) $(section cuda)
+"${PIP[@]}" install --no-compile --no-deps "${LOCAL_WHEELS[@]}" $(section torch) $(section cuda)
 echo "  torch, triton and the CUDA wheels: $(( $(date +%s) - t )) s"
 t=$(date +%s)
 # shellcheck disable=SC2046,SC2086
-quiet "${PIP[@]}" install --no-deps $(section cuda-index) $(section no-deps) $(section closure) $dev_pins
+quiet "${PIP[@]}" install --no-compile --no-deps $(section cuda-index) $(section no-deps) $(section closure) $dev_pins
 echo "  the rest: $(( $(date +%s) - t )) s"
 
 # the closure is complete: every installed package's requirements are installed (torchtitan's declared

@@ -21,7 +21,7 @@
 # second CUDA set). Transformer Engine is never installed; the script fails if it finds it.
 set -euo pipefail
 SKIP_STATUS=3
-BUILD_REVISION=1
+BUILD_REVISION=1  # not bumped for --no-compile: the same packages, only no .pyc written ahead
 
 usage() { echo "usage: $0 VENV_DIR" >&2; exit 2; }
 [ $# -eq 1 ] || usage
@@ -65,11 +65,11 @@ rm -rf "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --no-input)
 export PIP_NO_INPUT=1
 # shellcheck disable=SC2046
-"${PIP[@]}" install -q --no-deps $(section torch)
+"${PIP[@]}" install -q --no-compile --no-deps $(section torch)
 # shellcheck disable=SC2046
-"${PIP[@]}" install -q --no-deps "${LOCAL_WHEELS[@]}" $(section cuda)
+"${PIP[@]}" install -q --no-compile --no-deps "${LOCAL_WHEELS[@]}" $(section cuda)
 # shellcheck disable=SC2046
-"${PIP[@]}" install -q --no-deps $(section torch-users) $(section pure)
+"${PIP[@]}" install -q --no-compile --no-deps $(section torch-users) $(section pure)
 
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md

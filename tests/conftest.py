@@ -34,6 +34,23 @@ for _folder in sorted(p for p in _HERE.rglob("*") if p.is_dir() and p.name != "_
         sys.path.append(str(_folder))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "megatron: reaches megatron by import (tests.harness.tiers): make test-compat "
+                                       "runs it again on megatron-core 0.19.2")
+    config.addinivalue_line("markers", "torch_version_sensitive: make test-torch214 runs it again on torch 2.14 "
+                                       "(tests.harness.tiers.TORCH_TIER, with the reason)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The markers ``megatron`` and ``torch_version_sensitive``, by the rules of :mod:`tests.harness.tiers`
+    (which CI tier runs a test again on another stack); then the files in the order pytest-xdist should start
+    them, the longest first (:mod:`tests.harness.schedule`)."""
+    from tests.harness import schedule, tiers
+
+    tiers.mark(items)
+    schedule.order(items)
+
+
 @pytest.fixture
 def single_rank_group(tmp_path):
     """A real one-rank gloo group (megatron mappings need a group even at TP=1)."""
