@@ -14,8 +14,8 @@ Here "kept" is what the region allocated and left alive: the linear's input is m
 LoRA-A input shows as 0 (as in test_peak.py)."""
 
 import pytest
-from workers_peak import WIDE, B, H, R, S
 from workers_peak_dora import VARIANTS, run
+from workers_peak_linear import WIDE, B, H, R, S
 
 from regather.tools.cpu.dist import run_ranks
 

@@ -1,9 +1,9 @@
 """Rank bodies for test_peak_dora.py: DoRA's bytes over the frozen linear, as test_peak.py measures LoRA's.
 
-One frozen base (workers_peak's: column-parallel ``o = 8h`` as fc1, row-parallel ``h_in = 8h`` as fc2, local
+One frozen base (workers_peak_linear's: column-parallel ``o = 8h`` as fc1, row-parallel ``h_in = 8h`` as fc2, local
 spec and the TE model, TP2 + SP, fp32), ``regather.DoRA`` with each variant of :data:`VARIANTS`, with and
 without ``recompute_adapter_inputs``; the allocator's bytes alive after the forward (kept) and at the step's
-highest point (peak), the smallest of a few steps (:func:`_bytes`).
+highest point (peak), the smallest of a few steps (:func:`workers_peak_linear.step_bytes`).
 
 The output gradient reaches the linear as a real model's does: fresh from the next op's backward, held by
 nobody else (``(y * dy).sum()``'s backward makes it), so DoRA may scale it in place
@@ -15,23 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from workers_peak import REPEATS, R, _base, _data
-
-from regather.core.allocated import AllocatedBytes
-
-
-def _bytes(module, x, dy) -> tuple[int, int]:
-    counts = []
-    for step in range(1 + REPEATS):
-        x.grad = None
-        with AllocatedBytes(settle_each_collective=True) as a:
-            y, _ = module(x)
-            a.mark("forward")
-            (y * dy).sum().backward()
-            del y
-        if step:
-            counts.append((a.alive_at("forward"), a.peak))
-    return min(c[0] for c in counts), min(c[1] for c in counts)
+from workers_peak_linear import R, frozen_base, input_batch, step_bytes
 
 #: variant -> (strategy, lean_transients, recompute_dora_output)
 VARIANTS = {
@@ -55,21 +39,21 @@ def run(rank, world, spec: str) -> dict:
 
     init_model_parallel(world)
     group, out = dist.group.WORLD, {"bytes": {}, "decisions": {}}
-    with te_behaviour("te>=2.4"):
+    with te_behaviour("te2.8-2.20"):
         for kind in ("column", "row"):
             name = "linear_fc1" if kind == "column" else "linear_fc2"
-            x, dy = _data(kind, rank, world)
-            out["bytes"][(kind, "frozen")] = _bytes(_base(spec, kind, group), x, dy)
+            x, dy = input_batch(kind, rank, world)
+            out["bytes"][(kind, "frozen")] = step_bytes(frozen_base(spec, kind, group), x, dy, through_loss=True)
             for variant, (strategy, lean, rebuild) in VARIANTS.items():
                 for recompute in (False, True):
                     holder = nn.Module()
-                    setattr(holder, name, _base(spec, kind, group))
+                    setattr(holder, name, frozen_base(spec, kind, group))
                     torch.manual_seed(5)
                     DoRA(target_modules=[name], dim=R, alpha=2 * R, lora_B_init_method="normal",
                          sequence_parallel_input_strategy=strategy, lean_transients=lean,
                          recompute_dora_output=rebuild, recompute_adapter_inputs=recompute)(holder)
                     wrapper = getattr(holder, name)
                     key = (kind, variant, recompute)
-                    out["bytes"][key] = _bytes(wrapper, x, dy)
+                    out["bytes"][key] = step_bytes(wrapper, x, dy, through_loss=True)
                     out["decisions"][key] = str(wrapper.adapter.last_decision)
     return out

@@ -23,7 +23,7 @@ REPEATS = 3
 VARIANTS = (("gather", None), ("gather", True), ("regather", None), ("lowrank", None))
 
 
-def _base(spec: str, kind: str, group):
+def frozen_base(spec: str, kind: str, group):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from tests.harness.te_model import TELayerNormColumnParallelLinear, TERowParallelLinear, te_config
 
@@ -55,7 +55,7 @@ def _base(spec: str, kind: str, group):
     return base
 
 
-def _data(kind, rank, t):
+def input_batch(kind, rank, t):
     g = torch.Generator().manual_seed(1)
     if kind == "expert-column":  # the dispatched tokens, the same on every expert-TP rank
         return torch.randn(S * B, H, generator=g).requires_grad_(), torch.randn(S * B, WIDE, generator=g).chunk(
@@ -72,14 +72,20 @@ def _data(kind, rank, t):
     return x.contiguous().requires_grad_(), dy.contiguous()
 
 
-def _bytes(module, x, dy) -> tuple[int, int]:
+def step_bytes(module, x, dy, through_loss: bool = False) -> tuple[int, int]:
+    """``(kept at the end of forward, the step's peak)``, the smallest of REPEATS steps after a warm-up.
+    ``through_loss``: backward from ``(y * dy).sum()``, so the output's gradient is a tensor autograd made
+    and hands over alone (as a next layer's backward does), not the caller's ``dy``."""
     counts = []
     for step in range(1 + REPEATS):
         x.grad = None
         with AllocatedBytes(settle_each_collective=True) as a:
             y, _ = module(x)
             a.mark("forward")
-            y.backward(dy)
+            if through_loss:
+                (y * dy).sum().backward()
+            else:
+                y.backward(dy)
             del y
         if step:
             counts.append((a.alive_at("forward"), a.peak))
@@ -101,18 +107,18 @@ def run(rank, world, spec: str) -> dict:
     with te_behaviour("te2.8-2.20"):
         for kind in kinds:
             name = "linear_fc1" if kind.endswith("column") else "linear_fc2"
-            x, dy = _data(kind, rank, world)
-            out["bytes"][(kind, "frozen")] = _bytes(_base(spec, kind, group), x, dy)
+            x, dy = input_batch(kind, rank, world)
+            out["bytes"][(kind, "frozen")] = step_bytes(frozen_base(spec, kind, group), x, dy)
             for strategy, lean in VARIANTS:
                 for recompute in (False, True):
                     holder = nn.Module()
-                    setattr(holder, name, _base(spec, kind, group))
+                    setattr(holder, name, frozen_base(spec, kind, group))
                     torch.manual_seed(5)
                     LoRA(target_modules=[name], dim=R, alpha=2 * R, lora_B_init_method="normal",
                          sequence_parallel_input_strategy=strategy, lean_transients=lean,
                          recompute_adapter_inputs=recompute)(holder)
                     wrapper = getattr(holder, name)
                     key = (kind, strategy, lean, recompute)
-                    out["bytes"][key] = _bytes(wrapper, x, dy)
+                    out["bytes"][key] = step_bytes(wrapper, x, dy)
                     out["decisions"][key] = str(wrapper.adapter.last_decision)
     return out
