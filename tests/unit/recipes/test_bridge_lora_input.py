@@ -25,13 +25,6 @@ from tests.harness import recipes as R
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def bridge():
-    R.import_bridge()
-    import regather.bridge
-
-    return regather.bridge
-
 
 def test_string_target_modules_rejected_at_construction(bridge):
     with pytest.raises((TypeError, ValueError), match="linear_qkv"):

@@ -29,7 +29,6 @@ Found here (and documented in the tests below):
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 from tests.harness import recipes as R
@@ -39,21 +38,6 @@ pytestmark = pytest.mark.timeout(600)
 NAMES = tuple(R.RECIPES)
 
 
-@pytest.fixture(scope="module")
-def bridge():
-    R.import_bridge()
-    import regather.bridge
-
-    return regather.bridge
-
-
-@pytest.fixture
-def environ():
-    """``runtime_config_update`` writes the recipe's ``env_vars`` into ``os.environ``: put it back after."""
-    saved = dict(os.environ)
-    yield os.environ
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.fixture

@@ -15,20 +15,6 @@ pytestmark = pytest.mark.timeout(600)
 DENSE = ("qwen3_8b", "llama3_70b")  # DoRA adapts dense linears only
 
 
-@pytest.fixture(scope="module")
-def bridge():
-    R.import_bridge()
-    import regather.bridge
-
-    return regather.bridge
-
-
-@pytest.fixture
-def environ():
-    saved = dict(os.environ)
-    yield os.environ
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _bridge_fields(peft) -> dict:
