@@ -4,7 +4,7 @@
 default pytest-xdist puts the files with the most tests first, which started a 100-second file of one test
 last, with the other worker idle meanwhile). Longest first, the two workers end within about the shortest
 file of each other. The costs are the seconds each file took here (:data:`COSTS`, from
-``python -m tests.harness.schedule JUNIT.xml``, a ``--junitxml`` report of the whole suite run with ``-n 1``);
+``python -m tests.harness.schedule JUNIT.xml``, a ``--junitxml`` report of the whole suite, as make test runs it);
 a file not in the table counts :data:`UNKNOWN` seconds. A stale table changes only the order, never what runs.
 """
 
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
     seconds: dict[str, float] = {}
     for path in argv:
         seconds.update(from_junit(Path(path)))
-    TABLE.write_text(json.dumps({"how": "seconds per file, pytest -n 1 --junitxml (tests.harness.schedule)",
+    TABLE.write_text(json.dumps({"how": "seconds per file, pytest --junitxml (tests.harness.schedule)",
                                  "seconds": seconds}, indent=1) + "\n")
     print(f"{TABLE.relative_to(ROOT)}: {len(seconds)} files, {sum(seconds.values()):.0f} s")
     return 0
