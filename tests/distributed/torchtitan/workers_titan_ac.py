@@ -1,4 +1,4 @@
-"""Rank bodies for tests/distributed/torchtitan/test_titan_ac_compile.py and test_titan_spmd.py: torchtitan's
+"""Rank bodies for tests/distributed/torchtitan/test_titan_ac.py, test_titan_ac_compile.py and test_titan_spmd.py: torchtitan's
 llama3 debugmodel (2 layers, TP2 + SP, 2 gloo ranks) under its SelectiveAC, its FullAC and its
 apply_compile (per block, fullgraph=True), alone and together, torchtitan's LoRA against
 regather's; bytes as the allocator sees them.
@@ -9,8 +9,6 @@ torchtitan's own ``parallelize_llama`` with FSDP2 (``fsdp=True``: how the traine
 ``spmd_types`` the only way its replicated weights' gradients are reduced)."""
 
 from __future__ import annotations
-
-import gc
 
 import torch
 
@@ -43,9 +41,16 @@ def _step(model, dtype=torch.float32):
     """Forward (allocator bytes alive at its end), loss, backward; the gradients reset first."""
     for p in model.parameters():
         p.grad = None
-    gc.collect()
     loss, _, counted = H.step(model, count="allocator", dtype=dtype)
     return counted["alive"], loss
+
+
+def bit_identical(got: dict, want: dict) -> None:
+    """Two runs' loss and LoRA gradients, bit for bit."""
+    assert torch.equal(got["loss"], want["loss"])
+    assert got["grads"].keys() == want["grads"].keys()
+    for n, g in want["grads"].items():
+        assert torch.equal(got["grads"][n], g), n
 
 
 def measure(model, dtype=torch.float32) -> dict:
@@ -107,9 +112,10 @@ SUITE = {
 }
 
 
-def ac_compile_suite(rank, world_size) -> dict:
-    """Every setting of SUITE in one spawn (the compiled ones last: they are the slow part)."""
-    return {setting: setting_suite(rank, world_size, setting, names) for setting, names in SUITE.items()}
+def ac_compile_suite(rank, world_size, settings=tuple(SUITE)) -> dict:
+    """The ``settings`` of SUITE (all by default) in one spawn, in SUITE's order (the compiled ones last)."""
+    return {setting: setting_suite(rank, world_size, setting, names) for setting, names in SUITE.items()
+            if setting in settings}
 
 
 #: torchtitan's default backend through its parallelize_llama with FSDP2 (test_titan_spmd.py):
