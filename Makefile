@@ -125,7 +125,7 @@ test-recipes:
 	@.ci/venv312.sh $(VENV312); rc=$$?; \
 	if [ $$rc -eq 3 ]; then echo "make test-recipes: skipped (no Python 3.12 on this machine)"; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc
-	PYTHONPATH=src $(VENV312)/bin/python -m pytest -q -p no:cacheprovider tests/unit/recipes tests/distributed/recipes
+	PYTHONPATH=src $(VENV312)/bin/python -m pytest -q -p no:cacheprovider -n $(JOBS) $(DIST) tests/unit/recipes tests/distributed/recipes
 
 # The torch 2.14 tier (docs/testing.md): the tests of what touches torch's moving surface (tests.harness.tiers
 # TORCH_TIER: regather.core, the kernels, torchtitan, torch.compile, each with its reason) on
