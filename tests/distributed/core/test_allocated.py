@@ -28,8 +28,10 @@ def test_settling_each_collective_gives_the_exact_peak():
     exact = shard + 3 * gathered  # the shard, the kept output, then a later one with its double
     for rank, r in enumerate(run_ranks(peak_regions, 2, 12, timeout=180)):
         for functional, samples in r["settled"].items():
-            # what is alive at a mark and at the end is exact every time
-            assert all(at_mark == gathered and alive == 0 for _, at_mark, alive in samples), (rank, samples)
+            # what is alive at the mark and at the end: never low, exact at the smallest (the race below)
+            marks, ends = [m for _, m, _ in samples], [e for _, _, e in samples]
+            assert min(marks) == gathered and min(ends) == 0, (rank, functional, samples)
+            assert all(m - gathered >= 0 for m in marks) and all(e >= 0 for e in ends), (rank, functional, samples)
             peaks = [p for p, _, _ in samples]
             # beyond the tensors only bookkeeping of a few bytes (20 here: scalars torch allocates in the
             # region), never a block. A gloo worker descheduled across the pause and the drains frees a
@@ -37,7 +39,7 @@ def test_settling_each_collective_gives_the_exact_peak():
             # never low; on a loaded 2-core machine a few in twelve are, so the smallest is the claim.
             assert all(p - exact >= 0 for p in peaks), (rank, functional, peaks)
             assert min(peaks) - exact < 256, (rank, functional, peaks)
-            raced = sum(p - exact >= 256 for p in peaks)
+            raced = sum(p - exact >= 256 or m != gathered or e != 0 for p, m, e in samples)
             print(f"rank {rank} functional={functional}: {raced} of {len(peaks)} samples raced")
         # held to the end, every output outlives its use: what settle_each_collective avoids
         assert all(p > 3 * gathered for p in r["held"]), (rank, r)
