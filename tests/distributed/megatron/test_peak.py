@@ -8,9 +8,7 @@ full-width output, scale and sum, and is shown for the record. Expert linears (m
 ``n = s·b`` tokens): the same ``W`` (fc1's ``[n, o/t]``, fc2's input gradient ``[n, h_in/t]``)."""
 
 import pytest
-from workers_peak_linear import VARIANTS, WIDE, B, H, R, S, run
-
-from regather.tools.cpu.dist import run_ranks
+from workers_peak_linear import VARIANTS, WIDE, B, H, R, S, in_eight_chunks, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -21,13 +19,7 @@ X_FULL = S * B * H * E          # the column adapter's re-gathered input
 
 @pytest.fixture(scope="module", params=["local", "te"])
 def results(request):
-    import os
-
-    os.environ["REGATHER_MIN_CHUNK_BYTES"] = str(W // 8)  # eight chunks, as at long context
-    try:
-        yield request.param, run_ranks(run, T, request.param, timeout=300)
-    finally:
-        del os.environ["REGATHER_MIN_CHUNK_BYTES"]
+    return request.param, in_eight_chunks(run, T, request.param, W)
 
 
 @pytest.mark.parametrize("kind", ["column", "row", "expert-column", "expert-row"])

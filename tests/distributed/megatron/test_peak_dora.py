@@ -15,9 +15,7 @@ LoRA-A input shows as 0 (as in test_peak.py)."""
 
 import pytest
 from workers_peak_dora import VARIANTS, run
-from workers_peak_linear import WIDE, B, H, R, S
-
-from regather.tools.cpu.dist import run_ranks
+from workers_peak_linear import WIDE, B, H, R, S, in_eight_chunks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -37,13 +35,7 @@ def small_kept(kind: str) -> int:
 
 @pytest.fixture(scope="module", params=["local", "te"])
 def results(request):
-    import os
-
-    os.environ["REGATHER_MIN_CHUNK_BYTES"] = str(W // 8)  # eight chunks, as at long context
-    try:
-        yield request.param, run_ranks(run, T, request.param, timeout=300)
-    finally:
-        del os.environ["REGATHER_MIN_CHUNK_BYTES"]
+    return request.param, in_eight_chunks(run, T, request.param, W)
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])

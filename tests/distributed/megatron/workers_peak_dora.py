@@ -13,9 +13,8 @@ it copy (``+W``), as it must; the frozen linear is measured the same way.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
-from workers_peak_linear import R, frozen_base, input_batch, step_bytes
+from workers_peak_linear import R, adapted, frozen_base, input_batch, step_bytes
 
 #: variant -> (strategy, lean_transients, recompute_dora_output)
 VARIANTS = {
@@ -32,7 +31,6 @@ VARIANTS = {
 def run(rank, world, spec: str) -> dict:
     """``(kind, variant, recompute) -> (kept, peak)`` and ``(kind, "frozen")``; the decisions."""
     from tests.harness.te_model import te_behaviour
-    from torch import nn
 
     from regather import DoRA
     from regather.tools.cpu.models import init_model_parallel
@@ -46,13 +44,10 @@ def run(rank, world, spec: str) -> dict:
             out["bytes"][(kind, "frozen")] = step_bytes(frozen_base(spec, kind, group), x, dy, through_loss=True)
             for variant, (strategy, lean, rebuild) in VARIANTS.items():
                 for recompute in (False, True):
-                    holder = nn.Module()
-                    setattr(holder, name, frozen_base(spec, kind, group))
-                    torch.manual_seed(5)
-                    DoRA(target_modules=[name], dim=R, alpha=2 * R, lora_B_init_method="normal",
-                         sequence_parallel_input_strategy=strategy, lean_transients=lean,
-                         recompute_dora_output=rebuild, recompute_adapter_inputs=recompute)(holder)
-                    wrapper = getattr(holder, name)
+                    wrapper = adapted(spec, kind, group, name, DoRA(
+                        target_modules=[name], dim=R, alpha=2 * R, lora_B_init_method="normal",
+                        sequence_parallel_input_strategy=strategy, lean_transients=lean,
+                        recompute_dora_output=rebuild, recompute_adapter_inputs=recompute))
                     key = (kind, variant, recompute)
                     out["bytes"][key] = step_bytes(wrapper, x, dy, through_loss=True)
                     out["decisions"][key] = str(wrapper.adapter.last_decision)

@@ -92,11 +92,32 @@ def step_bytes(module, x, dy, through_loss: bool = False) -> tuple[int, int]:
     return min(c[0] for c in counts), min(c[1] for c in counts)
 
 
+def adapted(spec: str, kind: str, group, name: str, peft) -> torch.nn.Module:
+    """A fresh frozen base named ``name`` wrapped by ``peft`` (a LoRA or DoRA config), the same seed every time."""
+    holder = torch.nn.Module()
+    setattr(holder, name, frozen_base(spec, kind, group))
+    torch.manual_seed(5)
+    peft(holder)
+    return getattr(holder, name)
+
+
+def in_eight_chunks(fn, t: int, spec: str, w: int) -> list:
+    """``run_ranks(fn, t, spec)`` with chunks of ``w / 8`` bytes (``REGATHER_MIN_CHUNK_BYTES``), as at long context."""
+    import os
+
+    from regather.tools.cpu.dist import run_ranks
+
+    os.environ["REGATHER_MIN_CHUNK_BYTES"] = str(w // 8)
+    try:
+        return run_ranks(fn, t, spec, timeout=300)
+    finally:
+        del os.environ["REGATHER_MIN_CHUNK_BYTES"]
+
+
 def run(rank, world, spec: str) -> dict:
     """``(kind, strategy, lean, recompute) -> (kept, peak)`` and ``(kind, "frozen") -> (kept, peak)``; the
     decisions."""
     from tests.harness.te_model import te_behaviour
-    from torch import nn
 
     from regather import LoRA
     from regather.tools.cpu.models import init_model_parallel
@@ -111,13 +132,10 @@ def run(rank, world, spec: str) -> dict:
             out["bytes"][(kind, "frozen")] = step_bytes(frozen_base(spec, kind, group), x, dy)
             for strategy, lean in VARIANTS:
                 for recompute in (False, True):
-                    holder = nn.Module()
-                    setattr(holder, name, frozen_base(spec, kind, group))
-                    torch.manual_seed(5)
-                    LoRA(target_modules=[name], dim=R, alpha=2 * R, lora_B_init_method="normal",
-                         sequence_parallel_input_strategy=strategy, lean_transients=lean,
-                         recompute_adapter_inputs=recompute)(holder)
-                    wrapper = getattr(holder, name)
+                    wrapper = adapted(spec, kind, group, name, LoRA(
+                        target_modules=[name], dim=R, alpha=2 * R, lora_B_init_method="normal",
+                        sequence_parallel_input_strategy=strategy, lean_transients=lean,
+                        recompute_adapter_inputs=recompute))
                     key = (kind, strategy, lean, recompute)
                     out["bytes"][key] = step_bytes(wrapper, x, dy)
                     out["decisions"][key] = str(wrapper.adapter.last_decision)
