@@ -199,6 +199,11 @@ def _rank_main(fn, rank, world_size, init_file, out_dir, pg_timeout_s, launcher_
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
+        # gloo's connectFullMesh returns on one rank before its partner has read the handshake: a fn
+        # without collectives let rank 0 finish and close its sockets under rank 1's init (seen once in
+        # make test, "Connection closed by peer"). Every rank connected before fn runs; a failure here
+        # is still an init failure, retried with a new rendezvous.
+        dist.barrier()
     except BaseException as exc:  # nothing of fn ran: the parent may start the ranks again
         payload = (INIT_ERROR, f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     else:
