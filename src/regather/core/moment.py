@@ -14,11 +14,13 @@ the result as plain module state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from regather.core.decision import Reason, expected
 from regather.core.saved_hooks import top_saved_tensors_hook
+
+if TYPE_CHECKING:
+    import torch
 
 EVAL = expected("module is in eval mode")
 NO_GRAD = expected("autograd is disabled (torch.no_grad / inference_mode)")
@@ -29,6 +31,8 @@ def in_activation_checkpoint() -> bool:
     """Inside a backward pass (a reentrant ``torch.utils.checkpoint`` recompute), or under
     ``torch.utils.checkpoint``'s saved-tensor hooks (both passes of a non-reentrant checkpoint,
     whose recompute must save exactly what the first forward saved)."""
+    import torch  # in the functions: the reasons above are the ``regather`` command's, which loads no torch to parse
+
     if torch._C._current_graph_task_id() != -1:
         return True
     top = top_saved_tensors_hook()
@@ -48,6 +52,8 @@ class RunState:
     def capture(cls, module: torch.nn.Module, lora_a: torch.Tensor, in_recompute: bool) -> RunState:
         """The state now; ``in_recompute``: the front end's checkpoint test (its own checkpoint
         added to :func:`in_activation_checkpoint`)."""
+        import torch
+
         return cls(training=module.training, grad_enabled=torch.is_grad_enabled(), in_recompute=in_recompute,
                    lora_a_trainable=lora_a.requires_grad)
 

@@ -9,8 +9,6 @@ and is marked transparent (:func:`transparent_pack_hook`). Torch only.
 
 from __future__ import annotations
 
-import torch
-
 #: the attribute that marks a pack hook as transparent (:func:`transparent_pack_hook`)
 _TRANSPARENT = "regather_transparent"
 
@@ -38,6 +36,8 @@ def saved_tensors_hook_reason() -> str | None:
 
 def top_saved_tensors_hook():
     """The pack hook of the innermost ``saved_tensors_hooks`` context, if torch exposes it."""
+    import torch  # here: te_rule imports this module into the ``regather`` command, whose parsing loads no torch
+
     getter = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if getter is None:
         return None

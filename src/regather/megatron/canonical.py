@@ -50,9 +50,8 @@ from regather.megatron.dense.model import finish_wrapping
 from regather.megatron.dense.wrapper import LoRALinear
 from regather.megatron.lora import LoRA, attach_producers
 from regather.megatron.moe import experts
+from regather.megatron.reasons import CANONICAL_TARGETS
 
-CANONICAL_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate",
-                     "linear_fc2")
 # target name -> (the fused megatron linear it lives in, the adapter's key in the wrapper)
 COMPONENTS = {
     "linear_q": ("linear_qkv", "adapter_q"),

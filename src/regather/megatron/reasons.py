@@ -10,10 +10,14 @@ decision's ``detail``, so one reason is logged once whatever the numbers).
 from __future__ import annotations
 
 from regather.core.decision import expected
-from regather.core.recompute.graph import NOTHING_KEPT
+from regather.core.recompute.reasons import NOTHING_KEPT
 
 #: megatron's four LoRA targets (Megatron Bridge's default ``target_modules``).
 ALL_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+#: CanonicalLoRA's targets (Hugging Face's layout: one adapter per q / k / v and gate / up;
+#: :mod:`regather.megatron.canonical`).
+CANONICAL_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate",
+                     "linear_fc2")
 #: The column-parallel bases whose input is a sequence shard under SP: they may re-gather.
 ELIGIBLE_BASES = ("linear_qkv", "linear_fc1")
 #: The norm whose output each eligible base reads (what recompute_adapter_inputs reruns).

@@ -4,7 +4,10 @@ Each sub-command lives in its own module exposing ``register(subparsers)``,
 which adds an argparse sub-parser whose ``func`` default runs it. Modules are
 imported only when listed here, and each keeps its heavy imports (megatron-core,
 torchtitan, matplotlib) inside the function that runs it, so ``regather --help``
-loads none of them (torch it does). Every command's flags come from one table
+loads none of them. Nor torch: parsing, ``--help``, ``--version``, the refusals made while parsing
+and ``estimate`` itself run without it (the reason tables they read are torch-free;
+tests/unit/tools/test_cli.py holds it), a fraction of a second each where torch's import is one to
+two. Every command's flags come from one table
 (:mod:`regather.tools.estimate.vocabulary`); bad input ends a command with one line
 (:mod:`regather.tools.cmdline`).
 """

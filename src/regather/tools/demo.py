@@ -22,8 +22,6 @@ from __future__ import annotations
 import textwrap
 from importlib import resources
 
-import torch
-
 from regather.megatron.reasons import ELIGIBLE_BASES
 from regather.tools.estimate.vocabulary import add_command
 from regather.tools.shapes import tp_problems
@@ -43,7 +41,10 @@ DESCRIPTION = (
     "with the time the recompute itself took.")
 
 
-def load_corpus() -> torch.Tensor:
+def load_corpus():
+    """The corpus as a uint8 tensor (torch imported here: the command's parser and refusals load no torch)."""
+    import torch
+
     data = resources.files("regather").joinpath("data/tiny_corpus.txt").read_bytes()
     return torch.tensor(list(data), dtype=torch.uint8)
 

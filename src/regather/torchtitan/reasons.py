@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from regather.core import moment
 from regather.core.decision import expected
-from regather.core.recompute.graph import NOTHING_KEPT
+from regather.core.recompute.reasons import NOTHING_KEPT
 
 #: torchtitan's llama3 / qwen3 block linears by name (LoRA's ``target_modules``), and the
 #: column-parallel ones, whose input is gathered over the sequence (``w1`` and ``w3`` by one gather)

@@ -183,6 +183,22 @@ def test_version():
         assert done.returncode == 0 and done.stdout == f"regather {__version__}\n", done
 
 
+@pytest.mark.parametrize("argv", [["--version"], ["estimate", "--help"], ["estimate", "--seq", "0"],
+                                  ["bench", "--strategies", "foo"], ["demo", "--steps", "0"],
+                                  ["doctor", "--strategy", "foo"], ["estimate", "--model", "qwen3-8b"],
+                                  ["estimate", "--front-end", "torchtitan"]])
+def test_parsing_refusals_and_estimate_load_no_torch(argv):
+    """The command's parser, its parse-time refusals and estimate (analytic) never import torch: each is
+    a fraction of a second where torch's import is one to two (the reason tables they read are torch-free)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom regather.tools.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert done.stderr.splitlines()[-1] == "False", done.stderr
+
+
 def test_custom_sizes_are_the_users():
     """The sizes given win: no preset's query groups or head width inherited, no preset's name, no Bridge
     recipe; the bytes are estimate's for exactly these sizes (bench measures them byte for byte:

@@ -26,14 +26,10 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from regather.core.recompute.reasons import NOTHING_KEPT, SOURCE_NOT_KEPT
 from regather.core.recompute.sources import Kept
 from regather.core.saved_hooks import saved_tensors_hook_reason
 from regather.core.unwrap import plain
-
-#: What :func:`kept_between` says of a producer whose autograd node keeps nothing: its input and
-#: its weights need no gradient (a norm at layer 0 under frozen embeddings, a router likewise).
-NOTHING_KEPT = "it keeps nothing for its backward (neither its input nor its weights need a gradient)"
-SOURCE_NOT_KEPT = "it does not keep the tensor it would be recomputed from (saving that would add bytes)"
 
 
 class Meta:

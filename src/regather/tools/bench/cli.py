@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from regather.megatron.canonical import CANONICAL_TARGETS
+from regather.megatron.reasons import CANONICAL_TARGETS
 from regather.tools.bench.moe import DEFAULT_VARIANTS, MoEBenchSpec
 from regather.tools.bench.runner import DEFAULT_TARGETS, BenchSpec
 from regather.tools.bench.titan import TITAN_TARGETS, TitanBenchSpec

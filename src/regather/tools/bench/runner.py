@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-from regather.megatron.lora import DEFAULT_TARGETS
+from regather.megatron.reasons import ALL_TARGETS as DEFAULT_TARGETS  # LoRA's default targets (megatron.lora)
 from regather.tools.shapes import ModelShape, RunShape, shape_fields, tp_problems
 
 

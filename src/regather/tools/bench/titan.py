@@ -28,7 +28,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 
-from regather.core.accounting import ADAPTER_INPUT
 from regather.tools.bench.runner import (
     BenchSpec,
     decision_counts,
@@ -146,6 +145,8 @@ def run(spec: TitanBenchSpec) -> dict:
 
 def by_kind(labels: dict) -> dict:
     """LoRA-A input bytes per adapter kind from a ``saved_bytes_by_label``."""
+    from regather.core.accounting import ADAPTER_INPUT  # torch: imported where used, not by the command's parser
+
     prefix = ADAPTER_INPUT + ":"
     return {k[len(prefix):]: int(v) for k, v in sorted(labels.items()) if k.startswith(prefix)}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from regather.core.recompute.graph import NOTHING_KEPT
+from regather.core.recompute.reasons import NOTHING_KEPT
 from regather.megatron.reasons import ELIGIBLE_BASES
 from regather.tools.doctor.dora import dora_findings
 from regather.tools.doctor.environment import env_findings

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from regather.core.recompute.graph import NOTHING_KEPT
+from regather.core.recompute.reasons import NOTHING_KEPT
 from regather.megatron.reasons import (
     CPU_OFFLOADING,
     DISPATCHERS,

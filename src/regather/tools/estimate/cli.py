@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from regather.megatron.canonical import CANONICAL_TARGETS
-from regather.megatron.reasons import ALL_TARGETS, REPLAYED_DISPATCHERS
+from regather.megatron.reasons import ALL_TARGETS, CANONICAL_TARGETS, REPLAYED_DISPATCHERS
 from regather.tools.cmdline import given, wrapped
 from regather.tools.estimate.config import ALL_STRATEGIES, PRESETS, Model, Run
 from regather.tools.estimate.options import (

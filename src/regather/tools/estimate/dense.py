@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from regather.core.recompute.graph import NOTHING_KEPT
+from regather.core.recompute.reasons import NOTHING_KEPT
 from regather.megatron.reasons import ALL_TARGETS, kept_as_is, no_recomputable_producer
 from regather.tools.estimate.config import (
     ATTENTION_OUTPUT,

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from regather.core.recompute.graph import NOTHING_KEPT
+from regather.core.recompute.reasons import NOTHING_KEPT
 from regather.megatron.reasons import PREDISPATCH, REDISPATCH, REDISPATCH_OPT_IN, ROUTER_KEEPS_NOTHING
 from regather.tools.estimate.config import (
     AdapterInput,

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from regather.core.recompute.graph import NOTHING_KEPT, SOURCE_NOT_KEPT
+from regather.core.recompute.reasons import NOTHING_KEPT, SOURCE_NOT_KEPT
 from regather.tools.estimate.config import AdapterInput, Model, Run, layers_here, producer_inputs_need_grad, ring
 from regather.tools.estimate.report import gb, model_json
 from regather.torchtitan import reasons

@@ -22,8 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from regather.megatron.canonical import CANONICAL_TARGETS
-from regather.megatron.reasons import ALL_TARGETS, DISPATCHERS
+from regather.megatron.reasons import ALL_TARGETS, CANONICAL_TARGETS, DISPATCHERS
 from regather.tools.cmdline import HelpFormatter, names, non_negative, positive, positive_number, seconds
 from regather.tools.estimate.config import ATTENTION, BRIDGE_VERSION, EXPERT_LORA, LAYOUTS, PRESETS, RECIPES, SPECS
 from regather.tools.estimate.dora import DORA_OUTPUTS, PEFTS
