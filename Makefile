@@ -18,7 +18,8 @@ DIST ?= --dist loadfile --no-loadscope-reorder
 venv: $(STAMP)
 
 # --no-compile: pip writes no .pyc for the ~15,000 modules of each environment (measured: 2.5 ms of CPU each,
-# most never imported); Python compiles what is imported on first use
+# most never imported); Python compiles what is imported on first use and keeps it, unless
+# PYTHONDONTWRITEBYTECODE is set (it is on these machines: .ci/run unsets it, docs/testing.md)
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --no-compile --upgrade pip 'setuptools>=77'
