@@ -56,8 +56,8 @@ takes about 0.2 s, a region's a few milliseconds. The region's end thaws everyth
 cannot tell a program's own frozen objects from the region's): a program that froze objects before, a
 pre-fork freeze say, has them back in the oldest generation. CPython 3.12 starts with a few hundred
 objects frozen, so "freeze only where nothing is frozen yet" froze nothing there and each region paid the
-full collections again (the peak tests took 60 s instead of 4 s per spawn on 3.12). ``mark(name)`` records a moment (a marker allocation of a size nothing else has), so one
-region can give both what a forward leaves alive (:meth:`alive_at`) and the step's peak. On CUDA the
+full collections again (the peak tests took 60 s instead of 4 s per spawn on 3.12). ``mark(name)``
+records a moment (a marker allocation of a size nothing else has), so one region can give both what a forward leaves alive (:meth:`alive_at`) and the step's peak. On CUDA the
 allocator keeps a peak of its own: ``device="cuda"`` reads ``torch.cuda.max_memory_allocated`` for ``peak``.
 """
 
@@ -183,7 +183,6 @@ class AllocatedBytes:
         self._hold: _HoldCollectiveTensors | None = None
         self._drain: torch.Tensor | None = None
         self._cuda_start = 0
-        self._frozen = False
 
     def _settling(self) -> bool:
         return self.settle_collectives and dist.is_available() and dist.is_initialized()
@@ -200,7 +199,6 @@ class AllocatedBytes:
         self._prof.__enter__()
         # what exists now is not the region's: the collections below scan only what it made (fast)
         gc.freeze()
-        self._frozen = True
         if self._drain is not None and (self.hold_collective_tensors or self.settle_each_collective):
             self._hold = _HoldCollectiveTensors(self._drain_groups if self.settle_each_collective else None)
             self._hold.__enter__()
@@ -244,18 +242,13 @@ class AllocatedBytes:
                 self._settle(hold)
         finally:
             self._prof.__exit__(*exc)
-            self._thaw()
+            gc.unfreeze()  # frozen at __enter__
         tree = self._prof.profiler.kineto_results.experimental_event_tree()
         self._count(sorted(_allocations(tree, self.device, [])))
         if self.device == "cuda":
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self._cuda_start
         self._prof = self._drain = None
-
-    def _thaw(self) -> None:
-        if self._frozen:
-            gc.unfreeze()
-            self._frozen = False
 
     def _count(self, events: list) -> None:
         """``alive``, ``peak`` and the marks' counts from the region's events in order."""
